@@ -1,0 +1,12 @@
+"""The shared speculative core: draft-then-verify decoding, drafters, model provisioning."""
+
+from .draft import AdaptiveLength, Draft, Drafter, NoDrafter
+from .draft_model import DraftModelDrafter
+from .generate import Generation, GenerationStats, eos_token_ids, generate
+from .prompt_lookup import NgramIndex, PromptLookupDrafter
+from .verify import Sampling, verify_greedy, verify_sample
+
+__all__ = [
+    "AdaptiveLength", "Draft", "Drafter", "NoDrafter", "DraftModelDrafter", "Generation", "GenerationStats",
+    "eos_token_ids", "generate", "NgramIndex", "PromptLookupDrafter", "Sampling", "verify_greedy", "verify_sample",
+]

@@ -1,0 +1,124 @@
+"""What a drafter proposes (a token tree) and the protocol every drafter follows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Draft:
+    """Candidate continuations of the sequence, as a token tree rooted at the last accepted token.
+
+    Node i holds `tokens[i]`; its parent is node `parents[i]`, or -1 for the root (the last token of
+    the sequence, not part of the draft). Parents precede their children. A plain chain of k tokens
+    has parents [-1, 0, 1, ..., k-2]. Siblings should hold distinct tokens.
+
+    probs: (n, vocab) float, the distribution each node's token was sampled from (only for drafts
+        sampled from a model, used by speculative sampling); None for a deterministic draft.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    probs: torch.Tensor | None = None
+    depths: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("a draft needs one parent per token")
+        depths = []
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"draft node {i} has parent {p}; parents must come before their children")
+            depths.append(1 if p < 0 else depths[p] + 1)
+        self.depths = depths
+
+    @classmethod
+    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> "Draft":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs)
+
+    @classmethod
+    def from_paths(cls, paths: list[list[int]]) -> "Draft":
+        """Merge several continuations into a tree, sharing their common prefixes."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for path in paths:
+            parent = -1
+            for t in path:
+                node = index.get((parent, t))
+                if node is None:
+                    node = index[(parent, t)] = len(tokens)
+                    tokens.append(t)
+                    parents.append(parent)
+                parent = node
+        return cls(tokens, parents)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def limit_depth(self, max_depth: int) -> "Draft":
+        """The nodes at depth <= max_depth (a tree stays a tree: ancestors are shallower)."""
+        if not self.depths or max(self.depths) <= max_depth:
+            return self
+        keep = [i for i, d in enumerate(self.depths) if d <= max_depth]
+        remap = {old: new for new, old in enumerate(keep)}
+        return Draft(
+            [self.tokens[i] for i in keep],
+            [remap.get(self.parents[i], -1) for i in keep],
+            None if self.probs is None else self.probs[keep],
+        )
+
+
+class Drafter:
+    """Base class of drafters: propose continuations of the sequence; learn from what was accepted.
+
+    The decoding loop calls `reset` once per generation, then per step `propose` and `update`.
+    """
+
+    name = "drafter"
+
+    def reset(self, prompt: list[int], sampling: "object | None" = None) -> None:
+        """A new generation starts from `prompt` (token ids)."""
+
+    def propose(self, tokens: list[int], max_depth: int) -> Draft | None:
+        """Draft continuations of `tokens` (prompt + generated so far; the loop appends to this same
+        list, so it must not be modified). At most `max_depth` tokens deep. None: no draft."""
+        raise NotImplementedError
+
+    def update(self, accepted: int, drafted: int) -> None:
+        """The last draft (of `drafted` nodes) had its first `accepted` tokens verified."""
+
+
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding through the same loop: one token per forward pass."""
+
+    name = "none"
+
+    def propose(self, tokens: list[int], max_depth: int) -> Draft | None:
+        return None
+
+
+class AdaptiveLength:
+    """Draft length that follows recent acceptance: grows after a fully accepted draft and
+    shrinks towards what was accepted otherwise, so a drafter that keeps missing drafts little."""
+
+    def __init__(self, initial: int, minimum: int = 1, maximum: int = 16, grow: int = 2) -> None:
+        self.initial, self.minimum, self.maximum, self.grow = initial, minimum, maximum, grow
+        self.value = initial
+
+    def reset(self) -> None:
+        self.value = self.initial
+
+    def update(self, accepted: int, drafted: int) -> None:
+        if drafted == 0:
+            return
+        if accepted >= drafted:
+            self.value = min(self.maximum, self.value + self.grow)
+        else:
+            self.value = max(self.minimum, min(self.value - 1, accepted + 2))

@@ -1,0 +1,245 @@
+"""The draft-then-verify decoding loop shared by every app.
+
+Each step: the drafter proposes a token tree continuing the sequence; ONE forward pass of the target
+over [last token, draft nodes] scores all of it; the longest path the target agrees with is kept,
+plus the target's own next token; the KV cache is rolled back past everything else. With greedy
+verification the output is token for token that of plain greedy decoding; with speculative sampling
+it is distributed as plain sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .draft import Draft, Drafter, NoDrafter
+from .verify import Sampling, tree_attention_mask, verify_greedy, verify_sample, warp
+
+# Called after every step with the new tokens and, per token, whether it came from an accepted draft.
+StepCallback = Callable[[list[int], list[bool]], None]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    forward_passes: int = 0  # target forward passes, prefill included
+    drafted: list[int] = field(default_factory=list)  # draft nodes per decode step
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per decode step
+    prefill_s: float = 0.0  # prompt forward + first token: the time to first token
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from a prefix cache
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+    @property
+    def tokens_per_step(self) -> float:
+        """New tokens per decode forward pass (1.0 for plain decoding)."""
+        steps = len(self.accepted)
+        return (self.new_tokens - 1) / steps if steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return sum(self.accepted) / max(1, sum(self.drafted))
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "forward_passes": self.forward_passes, "steps": len(self.accepted),
+            "drafted_tokens": sum(self.drafted), "accepted_tokens": sum(self.accepted),
+            "tokens_per_step": round(self.tokens_per_step, 3), "acceptance_rate": round(self.acceptance_rate, 3),
+            "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4), "total_s": round(self.total_s, 4),
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+        }
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # new tokens only
+    from_draft: list[bool]  # per new token: accepted from a draft (True) or picked by the target itself
+    finish_reason: str  # "eos", "stop_string", "length" or "context"
+    stats: GenerationStats
+
+
+def eos_token_ids(model, tokenizer=None) -> set[int]:
+    """End-of-sequence ids from the generation config, the config and the tokenizer (chat models
+    often end turns with a token the config does not list, e.g. <|im_end|>)."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(src, "eos_token_id", None) if src is not None else None
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    if tokenizer is not None:
+        for special in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+            tid = tokenizer.convert_tokens_to_ids(special) if special in tokenizer.get_vocab() else None
+            if isinstance(tid, int):
+                ids.add(tid)
+    return ids
+
+
+def context_length(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+
+
+def _keep_path(cache: DynamicCache, past: int, path: list[int], n: int) -> None:
+    """Cache holds `past` tokens + root + n draft nodes: keep past + root + the nodes on `path`."""
+    if path == list(range(len(path))):  # a prefix of the laid-out nodes: a plain crop
+        if n - len(path):
+            cache.crop(-(n - len(path)))
+        return
+    keep = torch.tensor([past + 1 + i for i in path])
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys[..., : past + 1, :], layer.keys[..., keep, :]], dim=-2)
+        layer.values = torch.cat([layer.values[..., : past + 1, :], layer.values[..., keep, :]], dim=-2)
+
+
+def _forward(model, tokens: list[int], cache: DynamicCache, past: int, draft: Draft | None):
+    ids = torch.tensor([tokens], device=model.device)
+    if draft is None or draft.is_chain:
+        # Plain causal attention; positions follow from the cache length.
+        return model(input_ids=ids, cache=cache, use_cache=True).logits[0]
+    positions = torch.tensor([[past] + [past + d for d in draft.depths]], device=model.device)
+    mask = tree_attention_mask(draft, past, model.device)
+    if model.config._attn_implementation == "eager":
+        mask = torch.zeros(mask.shape, dtype=model.dtype, device=model.device).masked_fill(
+            ~mask, torch.finfo(model.dtype).min)
+    return model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache,
+                 use_cache=True).logits[0]
+
+
+def _first_stop(tokenizer, new: list[int], stop_strings: Sequence[str], start: int) -> int | None:
+    """Length of the shortest prefix of `new` (at least `start` + 1 tokens) whose text contains a
+    stop string, or None. Stopping there leaves the same tokens as one-token-at-a-time decoding."""
+    if not any(s in tokenizer.decode(new) for s in stop_strings):
+        return None
+    for k in range(max(1, start + 1), len(new) + 1):
+        if any(s in tokenizer.decode(new[:k]) for s in stop_strings):
+            return k
+    return None
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    prompt: Sequence[int] | torch.Tensor,
+    drafter: Drafter | None = None,
+    *,
+    max_new_tokens: int = 256,
+    eos_token_id: int | Sequence[int] | None = None,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
+    stop_strings: Sequence[str] = (),
+    tokenizer=None,
+    on_step: StepCallback | None = None,
+    prefix_cache=None,
+) -> Generation:
+    """Decode from `prompt` (token ids, or a (1, T) tensor) with draft-then-verify.
+
+    drafter: proposes drafts (None: plain decoding). sampling: None for greedy (exact), else
+    lossless speculative sampling with `generator` as the source of randomness. stop_strings need
+    `tokenizer`. prefix_cache: an optional `PrefixCache` that reuses the KV of a shared prompt prefix.
+    """
+    start = time.perf_counter()
+    prompt_ids = prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = context_length(model)
+    if len(prompt_ids) >= limit:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if eos_token_id is None:
+        eos = eos_token_ids(model, tokenizer)
+    else:
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    drafter = drafter or NoDrafter()
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+
+    def pick(logits: torch.Tensor) -> int:
+        if sampling is None:
+            return int(logits.argmax())
+        return int(torch.multinomial(warp(logits[None], sampling)[0], 1, generator=generator))
+
+    # Prefill: the prompt's KV (reusing a cached prefix if any) and the first new token.
+    if prefix_cache is not None:
+        cache, logits, stats.cached_prompt_tokens = prefix_cache.prefill(model, prompt_ids)
+    else:
+        cache = DynamicCache(config=model.config)
+        ids = torch.tensor([prompt_ids], device=model.device)
+        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    stats.forward_passes = 1
+    seq = prompt_ids + [pick(logits)]
+    new, from_draft = [seq[-1]], [False]
+    stats.prefill_s = time.perf_counter() - start
+    if on_step:
+        on_step([seq[-1]], [False])
+    drafter.reset(prompt_ids, sampling)
+    max_new_tokens = min(max_new_tokens, limit - len(prompt_ids))
+    finish = "eos" if seq[-1] in eos else None
+    stop_from = 0  # new tokens before this index were already searched for stop strings
+
+    while finish is None:
+        if stop_strings and (cut := _first_stop(tokenizer, new, stop_strings, stop_from)) is not None:
+            del new[cut:], from_draft[cut:]
+            finish = "stop_string"
+            break
+        stop_from = len(new)
+        room = max_new_tokens - len(new)
+        if room <= 0:
+            finish = "length" if max_new_tokens == len(new) else "context"
+            break
+        past = len(seq) - 1  # everything but the root is in the cache
+
+        t0 = time.perf_counter()
+        draft = drafter.propose(seq, room - 1) if room > 1 else None
+        if draft is not None:
+            draft = draft.limit_depth(room - 1)
+            if not len(draft):
+                draft = None
+            elif max(draft.tokens) >= vocab or min(draft.tokens) < 0:
+                raise ValueError(f"drafter {drafter.name!r} proposed token ids outside the vocabulary (0..{vocab - 1})")
+        t1 = time.perf_counter()
+        logits = _forward(model, [seq[-1]] + (draft.tokens if draft else []), cache, past, draft)
+        if draft is None:
+            path, nxt = [], pick(logits[0])
+        elif sampling is None:
+            path, nxt = verify_greedy(draft, logits)
+        else:
+            path, nxt = verify_sample(draft, logits, sampling, generator)
+        n = len(draft) if draft else 0
+        _keep_path(cache, past, path, n)
+        t2 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.forward_passes += 1
+        stats.drafted.append(n)
+        stats.accepted.append(len(path))
+        drafter.update(len(path), n)
+
+        step = [draft.tokens[i] for i in path] + [nxt]
+        flags = [True] * len(path) + [False]
+        for i, t in enumerate(step):  # an EOS inside the accepted draft ends the generation there
+            if t in eos:
+                step, flags, finish = step[: i + 1], flags[: i + 1], "eos"
+                break
+        seq += step
+        new += step
+        from_draft += flags
+        if on_step:
+            on_step(step, flags)
+
+    stats.new_tokens = len(new)
+    stats.total_s = time.perf_counter() - start
+    return Generation(new, from_draft, finish, stats)
