@@ -251,9 +251,11 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
 
 
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype | None = None,
-               device: str | None = None):
+               device: str | None = None, exact_attention: bool = True):
     """Load (model, tokenizer) for a preset or local directory, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .exact_attention import NAME as EXACT_ATTENTION
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -261,7 +263,10 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
         dtype = DTYPES[dtype]
     path = resolve_model_path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype())
+    # Exact attention makes multi-token verification round like one-token decoding (see
+    # exact_attention.py); for one-token forwards and for HF's own generate() it is plain sdpa.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(),
+                                                 attn_implementation=EXACT_ATTENTION if exact_attention else None)
     if device:
         model = model.to(device)
     model.eval()

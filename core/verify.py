@@ -53,22 +53,31 @@ def _children(draft: Draft) -> dict[int, list[int]]:
     return kids
 
 
-def verify_greedy(draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+def verify_greedy(draft: Draft, logits: torch.Tensor, tie_margin: float = 0.0) -> tuple[list[int], int | None]:
     """Accept the longest draft path that greedy decoding would have produced.
 
     logits: (n + 1, vocab); row 0 is the root, row i + 1 is draft node i.
-    Returns (accepted node indices along the path, the target's argmax after the last of them)."""
-    best = logits.argmax(-1).tolist()
-    if draft.is_chain:
-        n = 0
-        while n < len(draft.tokens) and draft.tokens[n] == best[n]:
-            n += 1
-        return list(range(n)), best[n]
-    kids = _children(draft)
+    Returns (accepted node indices along the path, the target's argmax after the last of them).
+
+    tie_margin: a row whose top two logits are closer than this is not trusted. A multi-token
+    forward rounds differently from the one-token forwards of plain decoding (other kernels, other
+    summation order), which can flip a near-tie. The path then stops before that row and the next
+    token is None: the caller recomputes that position with a one-token forward."""
+    best = logits.argmax(-1).tolist()  # argmax, like generate(): the first index among exact ties
+    unsure = None
+    if tie_margin > 0:
+        top2 = logits.topk(2, dim=-1).values
+        unsure = (top2[:, 0] - top2[:, 1] < tie_margin).tolist()
+    kids = None if draft.is_chain else _children(draft)
     path: list[int] = []
     row = 0
     while True:
-        nxt = next((c for c in kids.get(path[-1] if path else -1, []) if draft.tokens[c] == best[row]), None)
+        if unsure is not None and unsure[row]:
+            return path, None
+        if kids is None:  # chain: node `row` follows row `row`
+            nxt = row if row < len(draft.tokens) and draft.tokens[row] == best[row] else None
+        else:
+            nxt = next((c for c in kids.get(path[-1] if path else -1, []) if draft.tokens[c] == best[row]), None)
         if nxt is None:
             return path, best[row]
         path.append(nxt)
@@ -112,15 +121,18 @@ def verify_sample(draft: Draft, logits: torch.Tensor, sampling: Sampling,
             return path, int(torch.multinomial(p, 1, generator=generator))
 
 
-def tree_attention_mask(draft: Draft, past: int, device: torch.device | None = None) -> torch.Tensor:
-    """(1, 1, n + 1, past + n + 1) bool mask for a forward over [root, nodes...] after `past` cached
-    tokens: every query sees the cache, the root, its ancestors and itself (True = attend)."""
+def tree_attention_mask(draft: Draft, past: int, extra: int = 0, device: torch.device | None = None) -> torch.Tensor:
+    """Bool mask (True = attend) of shape (1, 1, extra + 1 + n, past + extra + 1 + n) for a forward over
+    [extra plain tokens, root, draft nodes] after `past` cached tokens: plain tokens and the root
+    attend causally; each node sees everything up to the root, its ancestors and itself."""
     n = len(draft)
-    mask = torch.zeros(n + 1, past + n + 1, dtype=torch.bool, device=device)
-    mask[:, : past + 1] = True  # cache + root
+    q = extra + 1 + n
+    mask = torch.ones(q, past + q, dtype=torch.bool, device=device).tril(past)
+    base = past + extra + 1  # column of node 0
+    mask[extra + 1:, base:] = False
     for i, p in enumerate(draft.parents):
-        row = i + 1
-        mask[row, past + row] = True
+        row = extra + 1 + i
+        mask[row, base + i] = True
         if p >= 0:
-            mask[row, past + 1:] |= mask[p + 1, past + 1:]
+            mask[row, base:] |= mask[extra + 1 + p, base:]
     return mask[None, None]

@@ -1,0 +1,364 @@
+"""Resumable batch correction of a file of texts.
+
+Input: `.txt` (one text per line) or `.jsonl` (one JSON object per line, the text in
+`field`). Lines are split on b"\\n" only and decoded one by one, so a bad line cannot
+stop the job: invalid UTF-8, malformed JSON, a missing or non-string field, an empty
+text, a text over the token limit, or a correction that raises becomes an error record
+naming the line, and the job goes on.
+
+Output, chosen by the output path's extension:
+
+- anything but `.txt` (normally `.jsonl`): one JSON record per input line, in order,
+  `{"line": N, <the input object's other fields>, "source", "correction", "edits",
+  "stats", "truncated"}` or `{"line": N, ..., "error": "..."}`. Our keys win over input
+  fields of the same name.
+- `.txt`: the corrected text, one line per input line (a failed line is written as its
+  source, unchanged); error and truncation records go to the JSONL sidecar
+  `OUTPUT.errors.jsonl` (`{"line": N, "error": ...}` / `{"line": N, "warning": "truncated"}`).
+
+Resuming: every record is appended, flushed and fsync'ed before the next line starts, so
+after a kill at any point (kill -9 included) the output is a prefix of the finished one
+plus at most one partial last line. Running again with the same arguments truncates that
+partial line, checks the complete records are lines 1..k (JSONL: by their "line" numbers;
+`.txt`: by count, and sidecar records past k are dropped, as they are written first), and
+continues at line k + 1. The output is locked while a run writes it (POSIX flock), so two
+runs cannot interleave. Nothing retries error records: delete the output to redo a job.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: run without the lock
+    fcntl = None
+
+from tqdm import tqdm
+
+
+class CorrectorLike(Protocol):
+    """What the job needs of `Corrector`."""
+
+    context_limit: int
+
+    def correct(self, text: str) -> Any: ...
+
+    def count_tokens(self, text: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """Counts over the whole output (resumed lines included): ok + errors == total when done.
+
+    `warnings` counts ok lines whose correction was truncated (a segment hit max_new_tokens).
+    """
+
+    total: int
+    ok: int
+    errors: int
+    skipped_resumed: int
+    warnings: int = 0
+
+
+class ResumeError(RuntimeError):
+    """The existing output is not a prefix of this job's output: refuse to append to it."""
+
+
+def run_batch(
+    input_path: str | Path,
+    output_path: str | Path,
+    corrector_factory: Callable[[], CorrectorLike],
+    fmt: str | None = None,
+    field: str = "text",
+    progress: bool = True,
+    max_tokens: int | None = None,
+) -> BatchSummary:
+    """Correct every line of `input_path` into `output_path`, resuming a previous run.
+
+    `fmt` is "txt" or "jsonl" (default: from the input's extension). A text with more than
+    `max_tokens` tokens (default: the corrector's `context_limit`) is an error record: in a
+    line-per-text file that is almost always a missing line break or garbage, and it would
+    tie up the model for minutes. `corrector_factory` is called only if lines are left.
+    """
+    input_path, output_path = Path(input_path), Path(output_path)
+    fmt = fmt or _format_of(input_path)
+    if fmt not in ("txt", "jsonl"):
+        raise ValueError(f"fmt must be 'txt' or 'jsonl', got {fmt!r}")
+    if output_path.exists() and output_path.resolve() == input_path.resolve():
+        raise ValueError("the output path is the input path")
+    total = _count_lines(input_path)
+    writer = TextWriter(output_path) if output_path.suffix == ".txt" else JsonlWriter(output_path)
+    with writer:
+        done = writer.resume()
+        if done.lines > total:
+            raise ResumeError(f"{output_path} has {done.lines} records but {input_path} only {total} lines")
+        ok, errors, warnings = done.lines - done.errors, done.errors, done.warnings
+        if done.lines == total:
+            return BatchSummary(total, ok, errors, done.lines, warnings)
+        corrector = corrector_factory()
+        limit = max_tokens if max_tokens is not None else corrector.context_limit
+        rate_sum, rate_count = 0.0, 0
+        with tqdm(total=total, initial=done.lines, unit="sent", disable=not progress, dynamic_ncols=True) as bar:
+            for number, raw in _lines(input_path, skip=done.lines):
+                record, fallback = _process(number, raw, fmt, field, corrector, limit)
+                writer.write(record, fallback)
+                if "error" in record:
+                    errors += 1
+                else:
+                    ok += 1
+                    warnings += record["truncated"]
+                    rate = record["stats"].get("acceptance_rate")
+                    if isinstance(rate, (int, float)) and math.isfinite(rate):
+                        rate_sum, rate_count = rate_sum + rate, rate_count + 1
+                postfix = {"errors": errors}
+                if rate_count:  # mean over the texts of this run
+                    postfix["accept"] = f"{rate_sum / rate_count:.0%}"
+                bar.set_postfix(postfix, refresh=False)
+                bar.update(1)
+    return BatchSummary(total, ok, errors, done.lines, warnings)
+
+
+# ---- reading the input -------------------------------------------------------------------
+
+def _format_of(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in (".txt", ".jsonl"):
+        return suffix[1:]
+    raise ValueError(f"cannot tell the format of {path} from its extension: pass fmt='txt' or 'jsonl'")
+
+
+def _count_lines(path: Path) -> int:
+    """Lines as `_lines` yields them: a last line without "\\n" counts, an empty tail does not."""
+    count, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+    return count + (last != b"\n")
+
+
+def _lines(path: Path, skip: int) -> Iterator[tuple[int, bytes]]:
+    """(1-based number, raw bytes without the line break) of the lines after the first `skip`."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if number <= skip:
+                continue
+            raw = raw[:-1] if raw.endswith(b"\n") else raw
+            raw = raw[:-1] if raw.endswith(b"\r") else raw  # CRLF files
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM (Windows editors)
+                raw = raw[3:]
+            yield number, raw
+
+
+def _process(
+    number: int, raw: bytes, fmt: str, field: str, corrector: CorrectorLike, limit: int
+) -> tuple[dict, str | bytes]:
+    """The record of one line, and what a `.txt` output writes if it is an error."""
+    fields: dict[str, Any] = {}
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _error(number, fields, f"invalid UTF-8 at byte {e.start}", input=_show(raw)), raw
+    if fmt == "txt":
+        text: Any = line
+    else:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            return _error(number, fields, f"malformed JSON: {e}", input=line), b""
+        if not isinstance(obj, dict):
+            return _error(number, fields, f"not a JSON object but {type(obj).__name__}", input=line), b""
+        fields = {k: v for k, v in obj.items() if k != field}
+        if field not in obj:
+            return _error(number, fields, f"missing field {field!r}"), b""
+        text = obj[field]
+        if not isinstance(text, str):
+            return _error(number, fields, f"field {field!r} is {type(text).__name__}, not a string"), b""
+    fallback = text.encode("utf-8")
+    if not text.strip():
+        return _error(number, fields, "empty text", source=text), fallback
+    try:
+        n_tokens = corrector.count_tokens(text)
+        if n_tokens > limit:
+            return _error(number, fields, f"too long: {n_tokens} tokens > limit {limit}", source=text), fallback
+        correction = corrector.correct(text)
+    except Exception as e:  # a failure on one text must not end the job
+        return _error(number, fields, f"correction failed: {type(e).__name__}: {e}", source=text), fallback
+    record = {
+        "line": number, **fields, "source": text, "correction": correction.text,
+        "edits": [_edit_dict(e) for e in correction.edits],
+        "stats": dict(correction.stats or {}), "truncated": bool(correction.truncated),
+    }
+    return record, fallback
+
+
+def _error(number: int, fields: dict, message: str, **extra: Any) -> dict:
+    return {"line": number, **fields, **extra, "error": message}
+
+
+def _show(raw: bytes) -> str:
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def _edit_dict(edit: Any) -> dict:
+    if hasattr(edit, "to_dict"):
+        return edit.to_dict()
+    return asdict(edit) if is_dataclass(edit) else dict(edit)
+
+
+# ---- writing and resuming the output ---------------------------------------------------
+
+@dataclass(frozen=True)
+class Done:
+    """What a previous run left: complete records, and how many were errors / warnings."""
+
+    lines: int = 0
+    errors: int = 0
+    warnings: int = 0
+
+
+def _dumps(record: dict) -> bytes:
+    try:
+        return (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a tokenizer: fall back to \\u escapes
+        return (json.dumps(record, default=str) + "\n").encode("utf-8")
+
+
+def _append(f: BinaryIO, data: bytes) -> None:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())  # durable before the next line starts, so a crash loses at most this one
+
+
+def _read_records(path: Path) -> tuple[list[dict], int]:
+    """The JSONL records of `path` and the byte length they span.
+
+    A partial last line (no "\\n") is left out, and so is a last line that does not parse:
+    it can only be the write a crash interrupted. A bad line before the last is an error.
+    """
+    records: list[dict] = []
+    good_end = offset = 0
+    bad: int | None = None
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break
+            if bad is not None:
+                raise ResumeError(f"{path}: line {bad} is not a JSON record; not a file this job wrote?")
+            offset += len(raw)
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("line"), int):
+                bad = len(records) + 1
+                continue
+            records.append(record)
+            good_end = offset
+    return records, good_end
+
+
+def _truncate(path: Path, size: int) -> None:
+    if path.stat().st_size != size:
+        os.truncate(path, size)
+
+
+class _Writer:
+    """Holds the output open for appending, under an exclusive lock."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file: BinaryIO | None = None
+
+    def __enter__(self) -> _Writer:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "ab")
+        if fcntl is not None:
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.file.close()
+                raise RuntimeError(f"another run is writing {self.path}") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()  # closing releases the lock
+
+
+class JsonlWriter(_Writer):
+    """One JSON record per input line."""
+
+    def resume(self) -> Done:
+        records, size = _read_records(self.path)
+        for expected, record in enumerate(records, 1):
+            if record["line"] != expected:
+                raise ResumeError(f"{self.path}: record {expected} is for line {record['line']}")
+        _truncate(self.path, size)
+        return Done(
+            len(records),
+            sum("error" in r for r in records),
+            sum(bool(r.get("truncated")) and "error" not in r for r in records),
+        )
+
+    def write(self, record: dict, fallback: str | bytes) -> None:
+        _append(self.file, _dumps(record))
+
+
+class TextWriter(_Writer):
+    """Corrected text, one line per input line; errors and warnings in a JSONL sidecar."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.sidecar = path.with_name(path.name + ".errors.jsonl")
+        self.sidecar_file: BinaryIO | None = None
+
+    def resume(self) -> Done:
+        with open(self.path, "rb") as f:
+            data = f.read()
+        size = data.rfind(b"\n") + 1  # everything after the last line break is a partial line
+        lines = data.count(b"\n", 0, size)
+        _truncate(self.path, size)
+        records: list[dict] = []
+        if self.sidecar.exists():
+            records, sidecar_size = _read_records(self.sidecar)
+            kept = [r for r in records if r["line"] <= lines]
+            # Sidecar records are written before their line, so ones past `lines` are dropped.
+            if len(kept) < len(records):
+                tmp = self.sidecar.with_name(self.sidecar.name + ".tmp")
+                tmp.write_bytes(b"".join(_dumps(r) for r in kept))
+                os.replace(tmp, self.sidecar)
+            else:
+                _truncate(self.sidecar, sidecar_size)
+            records = kept
+        return Done(
+            lines, sum("error" in r for r in records), sum("warning" in r for r in records)
+        )
+
+    def write(self, record: dict, fallback: str | bytes) -> None:
+        if "error" in record:
+            self._note(record)
+            text = fallback
+        else:
+            if record["truncated"]:
+                self._note({"line": record["line"], "warning": "truncated"})
+            text = record["correction"]
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        # One input line must stay one output line, whatever the model returned.
+        _append(self.file, data.replace(b"\r\n", b" ").replace(b"\n", b" ") + b"\n")
+
+    def _note(self, record: dict) -> None:
+        if self.sidecar_file is None:  # opened on first use: a clean job leaves no sidecar
+            self.sidecar_file = open(self.sidecar, "ab")
+        _append(self.sidecar_file, _dumps(record))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sidecar_file is not None:
+            self.sidecar_file.close()
+        super().__exit__(*exc)

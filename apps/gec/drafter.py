@@ -1,0 +1,126 @@
+"""Copy drafting for grammar correction: the correction is mostly the source, so draft the rest of it.
+
+A pointer tracks which source token the output should copy next. While the output copies, the
+draft is the rest of the source (to the end of the sentence, then the end-of-turn token). After an
+edit the pointer is re-anchored: on the next few source tokens if the new token is there (a
+deletion), else on a unique 1-3-gram of the output in the source; failing both, a token tree
+verifies the alignment hypotheses "substitution" (skip one source token) and "insertion" (stay) in
+the same forward pass.
+"""
+
+from __future__ import annotations
+
+import re
+
+from specsuite.core.draft import Draft, Drafter
+from specsuite.core.prompt_lookup import NgramIndex
+
+SENTENCE_END_CHARS = (".", "!", "?", "\n")
+
+# Tokenized corpora (JFLEG, PTB) write "word ." and "do n't"; models write "word." and "don't".
+_DETOKENIZE = [
+    (re.compile(r" +([.,!?;:%)\]}])"), r"\1"),
+    (re.compile(r"([(\[{$]) +"), r"\1"),
+    (re.compile(r" +(n't|'s|'re|'ve|'ll|'d|'m)\b", re.IGNORECASE), r"\1"),
+]
+
+
+def as_written(text: str) -> str:
+    """The source as a model would write it back: no spaces before punctuation and clitics. Drafting
+    from this form rather than from tokenized text keeps the copy aligned through punctuation."""
+    for pattern, repl in _DETOKENIZE:
+        text = pattern.sub(repl, text)
+    return text
+
+
+class CopyDrafter(Drafter):
+    """Drafts continuations of the output by copying `source` (token ids of the text to correct).
+
+    end_tokens: appended to the source in drafts (the end-of-turn token), so that the final step
+        also verifies the end of the answer.
+    sentence_ends: source token indices after which a sentence ends; a draft stops there (plus
+        `overrun` tokens) so that a long text is not drafted to its end at every step.
+    branches: alignment hypotheses verified at once after an unanchored edit (1 = a chain only).
+    """
+
+    name = "copy"
+
+    def __init__(self, source: list[int], end_tokens: list[int] = (), sentence_ends: list[int] = (),
+                 max_tokens: int = 64, branches: int = 3, branch_tokens: int = 8, window: int = 4,
+                 overrun: int = 4) -> None:
+        self.target = list(source) + list(end_tokens)
+        # The last sentence runs on into the end tokens.
+        self.sentence_ends = sorted({e for e in sentence_ends if e < len(source)} | {len(self.target)})
+        self.branches, self.branch_tokens, self.window, self.overrun = branches, branch_tokens, window, overrun
+        self.max_tokens = max_tokens
+        # Source n-grams (n = 1..3) -> every position just past an occurrence, for re-anchoring.
+        self.anchors: dict[tuple[int, ...], list[int]] = {}
+        for end in range(1, len(self.target) + 1):
+            for n in range(1, min(3, end) + 1):
+                self.anchors.setdefault(tuple(self.target[end - n: end]), []).append(end)
+        self.fallback = NgramIndex(3)
+        self.reset([])
+
+    @classmethod
+    def for_text(cls, tokenizer, text: str, end_tokens: list[int] = (), **kwargs) -> "CopyDrafter":
+        """Tokenize `text` as the answer would be and mark its sentence ends."""
+        ids = tokenizer(as_written(text), add_special_tokens=False)["input_ids"]
+        ends = [i + 1 for i, t in enumerate(ids) if tokenizer.decode([t]).rstrip(" \"')").endswith(SENTENCE_END_CHARS)]
+        return cls(ids, end_tokens, ends, **kwargs)
+
+    def reset(self, prompt: list[int], sampling=None) -> None:
+        self.prompt_len = len(prompt)
+        self.seen = 0  # output tokens already used to move the pointer
+        self.pos = 0  # index in target of the token the output should copy next
+        self.synced = True  # the last output token was copied from target[pos - 1]
+        self.length = self.max_tokens
+        self.fallback.reset()
+
+    def _advance(self, out: list[int]) -> None:
+        """Move the pointer over the output tokens not seen yet."""
+        target = self.target
+        for i in range(self.seen, len(out)):
+            t = out[i]
+            # Copying on, or resuming after a deletion of up to `window` source tokens.
+            nearby = target[self.pos: self.pos + self.window]
+            if t in nearby:
+                self.pos += nearby.index(t) + 1
+                self.synced = True
+                continue
+            self.synced = False
+            for n in (3, 2, 1):  # re-anchor on a unique n-gram of the output, longest first
+                ends = self.anchors.get(tuple(out[max(0, i + 1 - n): i + 1])) if i + 1 >= n else None
+                if ends and len(ends) == 1:
+                    self.pos, self.synced = ends[0], True
+                    break
+        self.seen = len(out)
+
+    def _chain(self, start: int, length: int) -> list[int]:
+        # Stop at the first sentence end after a few tokens: later sentences are drafted later.
+        stop = next((e for e in self.sentence_ends if e >= start + self.overrun), len(self.target))
+        return self.target[start: min(stop, start + length)]
+
+    def propose(self, tokens: list[int], max_depth: int) -> Draft | None:
+        out = tokens[self.prompt_len:]
+        self._advance(out)
+        length = min(self.length, max_depth)
+        if self.pos < len(self.target):
+            if self.synced or self.branches == 1:
+                chain = self._chain(self.pos, length)
+                return Draft.chain(chain) if chain else None
+            # Unanchored edit: substitution (skip one source token) or insertion (stay) or a longer skip.
+            starts = [s for s in (self.pos + 1, self.pos, self.pos + 2) if s < len(self.target)][: self.branches]
+            paths = [self._chain(s, min(length, self.branch_tokens)) for s in starts]
+            paths = [p for p in paths if p]
+            return Draft.from_paths(paths) if paths else None
+        # Past the end of the source: the model writes on; look up its own text.
+        self.fallback.extend(tokens)
+        hit = self.fallback.lookup(tokens, 2)
+        return Draft.chain(tokens[hit[0]: hit[0] + min(8, max_depth)]) if hit else None
+
+    def update(self, accepted: int, drafted: int) -> None:
+        # A rejection is usually an edit, after which copying resumes: draft long again as soon as
+        # anything is accepted. Only drafts that keep failing outright (the model is not copying)
+        # are cut, so a heavily rewritten text costs about what plain decoding does.
+        if drafted:
+            self.length = self.max_tokens if accepted else max(4, self.length // 2)

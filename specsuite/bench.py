@@ -1,0 +1,261 @@
+"""`specsuite bench TASK`: our speculative decoding against HF `generate()` on the same model and prompts.
+
+All methods run in one process on the same prompts, in an order rotated per prompt so that drift
+(thermal, other load) spreads over all of them. Each method's output is compared token for token
+with HF's plain greedy output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
+
+from specsuite.core import Drafter, DraftModelDrafter, PromptLookupDrafter, eos_token_ids, generate
+from specsuite.core.chat import chat_prompt_ids
+from specsuite.core.models import DEFAULT_MODEL, load_model
+
+
+@dataclass
+class Example:
+    prompt_ids: list[int]
+    drafters: dict[str, Callable[[], Drafter]]  # app drafters for this prompt, by method suffix
+    references: list[str] = field(default_factory=list)  # short answers, where the data has them
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    total_s: float
+    ttft_s: float
+    forwards: int  # target forward passes
+
+
+# ---- tasks: how each reads its data and which app drafters apply -------------------------------
+
+def _gec_examples(path: Path, n: int, tok, eos: list[int]) -> list[Example]:
+    from specsuite.apps.gec.drafter import CopyDrafter
+    from specsuite.apps.gec.prompt import gec_prompt_ids
+
+    lines = [l.strip() for l in path.read_text(encoding="utf-8").splitlines() if l.strip()][:n]
+    return [Example(gec_prompt_ids(tok, line),
+                    {"copy": lambda line=line: CopyDrafter.for_text(tok, line, end_tokens=eos[:1])})
+            for line in lines]
+
+
+def _read_jsonl(path: Path, n: int) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()][:n]
+
+
+def _summarize_examples(path: Path, n: int, tok, eos: list[int]) -> list[Example]:
+    return [Example(chat_prompt_ids(tok, item["turns"][0]), {}) for item in _read_jsonl(path, n)]
+
+
+def _rag_examples(path: Path, n: int, tok, eos: list[int]) -> list[Example]:
+    from specsuite.apps.rag.bench_task import rag_example_parts
+
+    out = []
+    for item in _read_jsonl(path, n):
+        prompt_ids, drafters = rag_example_parts(tok, item)
+        refs = [r for group in item.get("reference", []) for r in (group if isinstance(group, list) else [group])]
+        out.append(Example(prompt_ids, drafters, refs))
+    return out
+
+
+TASKS = {"gec": _gec_examples, "rag": _rag_examples, "summarize": _summarize_examples}
+
+
+# ---- timing each method ----------------------------------------------------------------------
+
+class _FirstTokenClock(BaseStreamer):
+    """Records when HF's generate emits its first new token (its first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class _ForwardCounter:
+    """Counts forward passes of a model by wrapping its `forward`."""
+
+    def __init__(self, model) -> None:
+        self.count, self._forward = 0, model.forward
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self._forward(*args, **kwargs)
+
+        model.forward = counted
+
+
+def _hf_run(model, counter, ids: list[int], config: GenerationConfig, assistant=None) -> Run:
+    clock, x = _FirstTokenClock(), torch.tensor([ids])
+    counter.count = 0
+    start = time.perf_counter()
+    out = model.generate(x, generation_config=config, streamer=clock,
+                         assistant_model=assistant)
+    end = time.perf_counter()
+    return Run(out[0, len(ids):].tolist(), end - start, (clock.first or end) - start, counter.count)
+
+
+def _spec_run(model, ids: list[int], drafter: Drafter, max_new_tokens: int, eos: list[int]) -> Run:
+    g = generate(model, ids, drafter, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    return Run(g.tokens, g.stats.total_s, g.stats.prefill_s, g.stats.forward_passes)
+
+
+def _summarize(runs: list[Run], greedy: list[Run], examples: list[Example], tok) -> dict:
+    total = sum(r.total_s for r in runs)
+    new = sum(len(r.tokens) for r in runs)
+    ttft = sum(r.ttft_s for r in runs)
+    fwd = sum(r.forwards for r in runs)
+    g_total = sum(r.total_s for r in greedy)
+    g_decode = sum(r.total_s - r.ttft_s for r in greedy)
+    decode = total - ttft
+    steps = fwd - len(runs)  # decode forward passes: each yields accepted drafts + 1 token
+    figures = {
+        "total_s": round(total, 3), "new_tokens": new, "tokens_per_s": round(new / total, 2),
+        "speedup_vs_hf_greedy": round(g_total / total, 3), "ttft_s": round(ttft / len(runs), 4),
+        "decode_s": round(decode, 3), "decode_speedup_vs_hf_greedy": round(g_decode / decode, 3) if decode > 0 else None,
+        "forwards_per_token": round(fwd / new, 4), "mean_accepted_per_step": round((new - fwd) / steps, 3) if steps else 0.0,
+        "identical_to_greedy": round(sum(r.tokens == g.tokens for r, g in zip(runs, greedy)) / len(runs), 4),
+    }
+    if any(e.references for e in examples):  # answer quality: the same for every lossless method
+        hits = [any(ref.lower() in tok.decode(r.tokens).lower() for ref in e.references) for r, e in zip(runs, examples)]
+        figures["answer_contains_reference"] = round(sum(hits) / len(hits), 4)
+    return figures
+
+
+def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: int = 128,
+              draft_model_name: str | None = None, dtype: str | None = None,
+              methods: list[str] | None = None) -> dict:
+    """Run every applicable method on the first `n` prompts of `data`; returns the JSON report."""
+    model, tok = load_model(model_name, dtype=dtype)
+    draft_model = load_model(draft_model_name, dtype=dtype)[0] if draft_model_name else None
+    eos = sorted(eos_token_ids(model, tok))
+    examples = TASKS[task](data, n, tok, eos)
+    if not examples:
+        raise ValueError(f"no prompts in {data}")
+    base = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
+                temperature=None, top_p=None, top_k=None)
+    counter = _ForwardCounter(model)
+    runners: dict[str, Callable[[Example], Run]] = {
+        "hf_greedy": lambda e: _hf_run(model, counter, e.prompt_ids, GenerationConfig(**base)),
+        "hf_prompt_lookup": lambda e: _hf_run(model, counter, e.prompt_ids,
+                                              GenerationConfig(**base, prompt_lookup_num_tokens=10)),
+        "spec_prompt_lookup": lambda e: _spec_run(model, e.prompt_ids, PromptLookupDrafter(), max_new_tokens, eos),
+    }
+    if draft_model is not None:
+        runners["hf_assisted"] = lambda e: _hf_run(model, counter, e.prompt_ids, GenerationConfig(**base),
+                                                   assistant=draft_model)
+        runners["spec_draft_model"] = lambda e: _spec_run(model, e.prompt_ids, DraftModelDrafter(draft_model),
+                                                          max_new_tokens, eos)
+    for suffix in examples[0].drafters:
+        runners[f"spec_{suffix}"] = lambda e, s=suffix: _spec_run(model, e.prompt_ids, e.drafters[s](),
+                                                                 max_new_tokens, eos)
+    if methods:
+        unknown = set(methods) - set(runners)
+        if unknown:
+            raise ValueError(f"unknown methods {sorted(unknown)}; available: {sorted(runners)}")
+        runners = {k: v for k, v in runners.items() if k in methods or k == "hf_greedy"}
+
+    names = list(runners)
+    for name in names:  # warm-up: first calls pay for kernel selection and allocation
+        runners[name](Example(examples[0].prompt_ids, examples[0].drafters))
+    runs: dict[str, list[Run]] = {name: [] for name in names}
+    for i, example in enumerate(tqdm(examples, desc=f"bench {task}", unit="prompt", disable=None)):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            runs[name].append(runners[name](example))
+    report = {
+        "task": task, "model": model_name, "n": len(examples), "max_new_tokens": max_new_tokens,
+        "dtype": str(model.dtype).replace("torch.", ""), "draft_model": draft_model_name,
+        "torch_threads": torch.get_num_threads(),
+        "methods": {name: _summarize(runs[name], runs["hf_greedy"], examples, tok) for name in names},
+    }
+    report["mismatches"] = {name: [i for i, (r, g) in enumerate(zip(runs[name], runs["hf_greedy"]))
+                                   if r.tokens != g.tokens] for name in names}
+    return report
+
+
+def format_table(report: dict) -> str:
+    cols = [("method", 20), ("wall s", 8), ("new tok", 8), ("tok/s", 7), ("speedup", 8), ("TTFT s", 7),
+            ("decode x", 9), ("fwd/tok", 8), ("acc/step", 9), ("identical", 9)]
+    lines = [" ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(cols))]
+    for name, f in report["methods"].items():
+        vals = [name, f["total_s"], f["new_tokens"], f["tokens_per_s"], f["speedup_vs_hf_greedy"], f["ttft_s"],
+                f["decode_speedup_vs_hf_greedy"], f["forwards_per_token"], f["mean_accepted_per_step"],
+                f["identical_to_greedy"]]
+        lines.append(" ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}" for i, (v, (_, w)) in enumerate(zip(vals, cols))))
+    return "\n".join(lines)
+
+
+def plot(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["methods"])
+    e2e = [report["methods"][n]["speedup_vs_hf_greedy"] for n in names]
+    dec = [report["methods"][n]["decode_speedup_vs_hf_greedy"] or 0 for n in names]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], e2e, 0.4, label="end to end")
+    ax.bar([x + 0.2 for x in xs], dec, 0.4, label="decode phase")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(list(xs), names, rotation=20, ha="right")
+    ax.set_ylabel("speedup vs HF greedy")
+    ax.set_title(f"{report['task']} · {report['model']} · n={report['n']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    data = Path(args.data)
+    if not data.exists():
+        print(f"error: no such data file: {data}", file=sys.stderr)
+        return 1
+    report = run_bench(args.task, args.model, data, args.n, args.max_new_tokens, args.draft_model, args.dtype,
+                       args.methods.split(",") if args.methods else None)
+    print(f"\n{args.task} · {args.model} ({report['dtype']}) · n={report['n']} · max_new_tokens={args.max_new_tokens}")
+    print(format_table(report))
+    for name, bad in report["mismatches"].items():
+        if bad:
+            print(f"{name}: output differs from HF greedy on prompts {bad}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, Path(args.plot))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark our drafters against HF generate() on one model and data set")
+    p.add_argument("task", choices=sorted(TASKS))
+    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
+    p.add_argument("--data", required=True, help="gec: a text file, one sentence a line; rag/summarize: Spec-Bench jsonl")
+    p.add_argument("--n", type=int, default=10, help="number of prompts (default 10)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft-model", help="a small model with the same tokenizer: adds hf_assisted and spec_draft_model")
+    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
+    p.add_argument("--methods", help="comma-separated subset of methods (hf_greedy always runs)")
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--plot", help="write a bar chart of the speedups here (needs matplotlib)")
+    p.set_defaults(func=_cmd)
