@@ -3,10 +3,13 @@
 from .draft import AdaptiveLength, Draft, Drafter, NoDrafter
 from .draft_model import DraftModelDrafter
 from .generate import Generation, GenerationStats, eos_token_ids, generate
+from .prefix_cache import PrefixCache
+from .streaming import TextAssembler, TextPiece, stream
 from .prompt_lookup import NgramIndex, PromptLookupDrafter
 from .verify import Sampling, verify_greedy, verify_sample
 
 __all__ = [
     "AdaptiveLength", "Draft", "Drafter", "NoDrafter", "DraftModelDrafter", "Generation", "GenerationStats",
-    "eos_token_ids", "generate", "NgramIndex", "PromptLookupDrafter", "Sampling", "verify_greedy", "verify_sample",
+    "eos_token_ids", "generate", "NgramIndex", "PromptLookupDrafter", "PrefixCache", "Sampling", "TextAssembler",
+    "TextPiece", "stream", "verify_greedy", "verify_sample",
 ]

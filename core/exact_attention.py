@@ -40,11 +40,17 @@ def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     """query (b, heads, q, d), key/value (b, kv_heads, kv, d) -> ((b, q, heads, d), None)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     block = _block_rows.get()
-    if q_len == 1 or block is None or block >= q_len:
+    if q_len == 1 or block is None or (block >= q_len and block == kv_len):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv_len - q_len
-    out = [sdpa_attention_forward(module, query[:, :, :block], key[:, :, : past + block],
-                                  value[:, :, : past + block], None, **kwargs)[0]]
+    # The block runs as the causal prefill of plain decoding does. After a reused prefix (prefix
+    # cache) its rows are padded with dummy queries for the prefix, so that the kernel splits and
+    # rounds them exactly as in a prefill of the whole prompt; the padding rows are dropped.
+    q_block = query[:, :, :block]
+    if past:
+        q_block = torch.cat([q_block.new_zeros(*q_block.shape[:2], past, q_block.shape[3]), q_block], dim=2)
+    out = [sdpa_attention_forward(module, q_block, key[:, :, : past + block],
+                                  value[:, :, : past + block], None, **kwargs)[0][:, past:]]
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0  # additive float mask: 0 where visible
     for row in range(block, q_len):

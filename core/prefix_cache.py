@@ -1,0 +1,85 @@
+"""Reusing the KV cache of prompt prefixes across calls (same passages, a follow-up question).
+
+Lossless: a prefix's keys and values do not depend on what follows it. Entries are whole prompts'
+KV; a new prompt reuses the longest common prefix with any entry (at least `min_tokens`). Memory is
+bounded by an LRU budget in bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+from transformers import DynamicCache
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """LRU cache of prompt KV, keyed by token ids. `max_bytes=0` turns it off."""
+
+    def __init__(self, model_config, max_bytes: int = 1 << 30, min_tokens: int = 16, fresh_tokens: int = 8) -> None:
+        self.config, self.max_bytes, self.min_tokens = model_config, max_bytes, min_tokens
+        # At least this many prompt tokens always run: a one-row forward rounds differently from
+        # the multi-row prefill of plain decoding, a block of rows rounds the same.
+        self.fresh_tokens = fresh_tokens
+        self.entries: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+    def lookup(self, prompt: list[int]) -> tuple[DynamicCache, int]:
+        """A cache holding the KV of the longest cached prefix of `prompt` (never all of it: the
+        last prompt token must run to give logits), and that prefix's length."""
+        cache = DynamicCache(config=self.config)
+        with self._lock:
+            best, best_len = None, 0
+            for key in self.entries:
+                n = min(_common_prefix(list(key), prompt), len(prompt) - self.fresh_tokens)
+                if n > best_len:
+                    best, best_len = key, n
+            if best is None or best_len < self.min_tokens:
+                self.misses += 1
+                return cache, 0
+            self.entries.move_to_end(best)
+            self.hits += 1
+            kv = self.entries[best]
+        for layer, (k, v) in enumerate(kv):
+            cache.update(k[..., :best_len, :], v[..., :best_len, :], layer)
+        return cache, best_len
+
+    def store(self, prompt: list[int], cache: DynamicCache) -> None:
+        """Keep the KV of `prompt` (the first len(prompt) positions of `cache`)."""
+        if self.max_bytes <= 0:
+            return
+        n = len(prompt)
+        # Copies, so that the entry owns exactly what it counts (a view would pin the whole tensor).
+        kv = [(layer.keys[..., :n, :].clone(), layer.values[..., :n, :].clone()) for layer in cache.layers]
+        size = self._size(kv)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            key = tuple(prompt)
+            if key in self.entries:
+                self.bytes -= self._size(self.entries.pop(key))
+            self.entries[key] = kv
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, old = self.entries.popitem(last=False)
+                self.bytes -= self._size(old)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries.clear()
+            self.bytes = 0
