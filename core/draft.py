@@ -105,11 +105,18 @@ class NoDrafter(Drafter):
 
 
 class AdaptiveLength:
-    """Draft length that follows recent acceptance: grows after a fully accepted draft and
-    shrinks towards what was accepted otherwise, so a drafter that keeps missing drafts little."""
+    """Draft length that follows recent acceptance.
 
-    def __init__(self, initial: int, minimum: int = 1, maximum: int = 16, grow: int = 2) -> None:
+    Default (for drafts that cost compute, e.g. a draft model): grow by `grow` after a fully
+    accepted draft, else shrink towards what was accepted. With `keep_on_partial` (for drafts
+    copied from the input, which cost nothing to make and little to verify): a partial acceptance
+    keeps the length (the source was right, the output just diverged), only an outright miss halves
+    it, so a drafter that keeps missing drafts little and costs about what plain decoding does."""
+
+    def __init__(self, initial: int, minimum: int = 1, maximum: int = 16, grow: int = 2,
+                 keep_on_partial: bool = False) -> None:
         self.initial, self.minimum, self.maximum, self.grow = initial, minimum, maximum, grow
+        self.keep_on_partial = keep_on_partial
         self.value = initial
 
     def reset(self) -> None:
@@ -120,5 +127,8 @@ class AdaptiveLength:
             return
         if accepted >= drafted:
             self.value = min(self.maximum, self.value + self.grow)
+        elif self.keep_on_partial:
+            if accepted == 0:
+                self.value = max(self.minimum, self.value // 2)
         else:
             self.value = max(self.minimum, min(self.value - 1, accepted + 2))

@@ -47,7 +47,7 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, max_tokens: int = 10, min_tokens: int = 2, min_ngram: int = 1) -> None:
         self.index = NgramIndex(max_ngram)
         self.min_ngram = min_ngram
-        self.length = AdaptiveLength(max_tokens, min_tokens, max_tokens)
+        self.length = AdaptiveLength(max_tokens, min_tokens, max_tokens, grow=max_tokens, keep_on_partial=True)
 
     def reset(self, prompt: list[int], sampling=None) -> None:
         self.index.reset()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from specsuite.core.draft import Draft, Drafter
+from specsuite.core.draft import AdaptiveLength, Draft, Drafter
 from specsuite.core.prompt_lookup import NgramIndex
 
 SENTENCE_END_CHARS = (".", "!", "?", "\n")
@@ -52,7 +52,7 @@ class CopyDrafter(Drafter):
         # The last sentence runs on into the end tokens.
         self.sentence_ends = sorted({e for e in sentence_ends if e < len(source)} | {len(self.target)})
         self.branches, self.branch_tokens, self.window, self.overrun = branches, branch_tokens, window, overrun
-        self.max_tokens = max_tokens
+        self.length = AdaptiveLength(max_tokens, 4, max_tokens, grow=max_tokens, keep_on_partial=True)
         # Source n-grams (n = 1..3) -> every position just past an occurrence, for re-anchoring.
         self.anchors: dict[tuple[int, ...], list[int]] = {}
         for end in range(1, len(self.target) + 1):
@@ -73,7 +73,7 @@ class CopyDrafter(Drafter):
         self.seen = 0  # output tokens already used to move the pointer
         self.pos = 0  # index in target of the token the output should copy next
         self.synced = True  # the last output token was copied from target[pos - 1]
-        self.length = self.max_tokens
+        self.length.reset()
         self.fallback.reset()
 
     def _advance(self, out: list[int]) -> None:
@@ -103,7 +103,7 @@ class CopyDrafter(Drafter):
     def propose(self, tokens: list[int], max_depth: int) -> Draft | None:
         out = tokens[self.prompt_len:]
         self._advance(out)
-        length = min(self.length, max_depth)
+        length = min(self.length.value, max_depth)
         if self.pos < len(self.target):
             if self.synced or self.branches == 1:
                 chain = self._chain(self.pos, length)
@@ -119,8 +119,4 @@ class CopyDrafter(Drafter):
         return Draft.chain(tokens[hit[0]: hit[0] + min(8, max_depth)]) if hit else None
 
     def update(self, accepted: int, drafted: int) -> None:
-        # A rejection is usually an edit, after which copying resumes: draft long again as soon as
-        # anything is accepted. Only drafts that keep failing outright (the model is not copying)
-        # are cut, so a heavily rewritten text costs about what plain decoding does.
-        if drafted:
-            self.length = self.max_tokens if accepted else max(4, self.length // 2)
+        self.length.update(accepted, drafted)
