@@ -53,14 +53,20 @@ def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                                   value[:, :, : past + block], None, **kwargs)[0][:, past:]]
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0  # additive float mask: 0 where visible
+    # Draft rows: the very call a one-token decode step makes in HF's sdpa_attention_forward (no
+    # mask, GQA in the kernel), made directly: the wrapper's checks cost more than the kernel here.
+    scaling, gqa = kwargs.get("scaling"), getattr(module, "num_key_value_groups", 1) > 1
+    rows = []
     for row in range(block, q_len):
         if attention_mask is None:  # causal: a contiguous prefix of the keys
             k, v = key[:, :, : past + row + 1], value[:, :, : past + row + 1]
         else:  # a token tree: the cache, the root and this node's ancestors, in order
             visible = attention_mask[0, 0, row].nonzero().squeeze(-1)
             k, v = key[:, :, visible], value[:, :, visible]
-        out.append(sdpa_attention_forward(module, query[:, :, row: row + 1], k, v, None, **kwargs)[0])
-    return torch.cat(out, dim=1), None
+        rows.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, row: row + 1], k, v, dropout_p=0.0, scale=scaling, enable_gqa=gqa))
+    out.append(torch.cat(rows, dim=2).transpose(1, 2))
+    return torch.cat(out, dim=1).contiguous(), None
 
 
 AttentionInterface.register(NAME, exact_attention)

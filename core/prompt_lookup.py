@@ -8,10 +8,14 @@ from .draft import AdaptiveLength, Draft, Drafter
 class NgramIndex:
     """Positions of every 1..max_ngram-gram of a growing token list, for O(1) suffix lookups.
 
-    Maps an n-gram to the index just past its most recent occurrence that has a continuation."""
+    Maps an n-gram to the index just past one occurrence that has a continuation: the first one
+    (`keep="first"`, as HF's prompt lookup picks; measured here on Spec-Bench summaries, it drafts
+    better than the latest) or the most recent (`keep="last"`)."""
 
-    def __init__(self, max_ngram: int) -> None:
-        self.max_ngram = max_ngram
+    def __init__(self, max_ngram: int, keep: str = "first") -> None:
+        if keep not in ("first", "last"):
+            raise ValueError("keep must be 'first' or 'last'")
+        self.max_ngram, self.keep_first = max_ngram, keep == "first"
         self.table: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in the table
 
@@ -24,7 +28,9 @@ class NgramIndex:
         table, m = self.table, self.max_ngram
         for end in range(self.indexed + 1, len(tokens)):  # n-gram = tokens[end - n : end]
             for n in range(1, min(m, end) + 1):
-                table[tuple(tokens[end - n: end])] = end
+                key = tuple(tokens[end - n: end])
+                if not (self.keep_first and key in table):
+                    table[key] = end
         self.indexed = max(self.indexed, len(tokens) - 1)
 
     def lookup(self, tokens: list[int], min_ngram: int = 1) -> tuple[int, int] | None:
@@ -37,14 +43,14 @@ class NgramIndex:
 
 
 class PromptLookupDrafter(Drafter):
-    """Drafts the tokens that followed the most recent earlier occurrence of the sequence's last
+    """Drafts the tokens that followed the first earlier occurrence of the sequence's last
     1..max_ngram tokens (longest match first), in the prompt or in the output so far.
 
     The draft length adapts to acceptance between `min_tokens` and `max_tokens`."""
 
     name = "prompt_lookup"
 
-    def __init__(self, max_ngram: int = 3, max_tokens: int = 10, min_tokens: int = 2, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, max_tokens: int = 16, min_tokens: int = 2, min_ngram: int = 1) -> None:
         self.index = NgramIndex(max_ngram)
         self.min_ngram = min_ngram
         self.length = AdaptiveLength(max_tokens, min_tokens, max_tokens, grow=max_tokens, keep_on_partial=True)

@@ -1,0 +1,205 @@
+"""Grammar correction of texts of any length: one model, draft-then-verify decoding.
+
+A text is cut into segments (whole sentences of one line within `context_limit` tokens), each
+segment is corrected by greedy draft-then-verify decoding (token for token what plain greedy
+decoding writes, only faster), and the corrections are put back into the text's own layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator, Iterable, Iterator
+from dataclasses import dataclass
+from importlib import resources
+
+from specsuite.core import Generation, PromptLookupDrafter, TextPiece, eos_token_ids, generate
+from specsuite.core import stream as stream_generation
+from specsuite.core.draft import Drafter
+from specsuite.core.generate import context_length
+from specsuite.core.models import DEFAULT_MODEL, load_model
+
+from .drafter import CopyDrafter
+from .edits import Edit, word_diff
+from .prompt import gec_prompt_ids
+from .segment import Segment, join_segments, split_segments
+
+DRAFTERS = ("copy", "prompt-lookup", "none")
+MAX_CONTEXT_LIMIT = 1024  # longer segments gain nothing and make one slow step of a batch
+CALIBRATION_TOKENS = 8  # one-token steps timed once, for estimated_speedup
+
+# Stats that add up over segments and texts; the rates are derived from them (see combine_stats).
+SUMMED_STATS = ("segments", "prompt_tokens", "new_tokens", "forward_passes", "drafted_tokens",
+                "accepted_tokens", "prefill_s", "total_s", "estimated_plain_s")
+
+
+@dataclass
+class Correction:
+    source: str
+    text: str
+    edits: list[Edit]
+    stats: dict
+    truncated: bool  # a segment hit max_new_tokens (or the context): its correction is cut short
+
+
+def demo_sentences() -> list[str]:
+    """The example sentences shipped with the package (for `specsuite gec demo` and the UI)."""
+    text = resources.files(__package__).joinpath("demo_sentences.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def combine_stats(parts: Iterable[dict]) -> dict:
+    """Sum the additive stats of segments (or of whole corrections) and derive the rates.
+
+    `estimated_speedup` is an ESTIMATE of plain greedy decoding time / actual time: plain time is
+    taken as our prefill time plus one measured one-token decode step per further new token. It is
+    not a measurement of plain decoding (run `specsuite bench gec` for that)."""
+    parts = list(parts)
+    out: dict = {key: sum(p.get(key) or 0 for p in parts) for key in SUMMED_STATS}
+    for key in ("prefill_s", "total_s", "estimated_plain_s"):
+        out[key] = round(out[key], 4)
+    out["decode_s"] = round(out["total_s"] - out["prefill_s"], 4)
+    out["tokens_per_step"] = round(out["new_tokens"] / out["forward_passes"], 3) if out["forward_passes"] else 0.0
+    out["acceptance_rate"] = round(out["accepted_tokens"] / out["drafted_tokens"], 3) if out["drafted_tokens"] else 0.0
+    plain, total = out["estimated_plain_s"], out["total_s"]
+    out["estimated_speedup"] = round(plain / total, 3) if plain > 0 and total > 0 else None
+    return out
+
+
+class Corrector:
+    """Corrects texts with one loaded model; `drafter` is "copy", "prompt-lookup" or "none"."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, drafter: str = "copy", dtype: str | None = None,
+                 max_new_tokens: int | None = None) -> None:
+        _check(drafter, max_new_tokens)  # before the slow load
+        self._setup(*load_model(model, dtype=dtype), drafter, max_new_tokens)
+
+    @classmethod
+    def from_loaded(cls, model, tokenizer, drafter: str = "copy", max_new_tokens: int | None = None) -> Corrector:
+        """A corrector on an already loaded (model, tokenizer), e.g. shared between tests."""
+        _check(drafter, max_new_tokens)
+        self = cls.__new__(cls)
+        self._setup(model, tokenizer, drafter, max_new_tokens)
+        return self
+
+    def _setup(self, model, tokenizer, drafter: str, max_new_tokens: int | None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.drafter, self.max_new_tokens = drafter, max_new_tokens
+        self.eos = sorted(eos_token_ids(model, tokenizer))
+        self.end_tokens = self._turn_end()
+        # The prompt holds the segment, the reply may be twice as long: a quarter of the context
+        # per segment keeps both inside it (1024 tokens for the presets).
+        self.context_limit = min(context_length(model) // 4, MAX_CONTEXT_LIMIT)
+        self._plain_step_s: float | None = None  # one plain decode step, timed on first use
+
+    def _turn_end(self) -> list[int]:
+        """The token the model ends its answer with, for the copy drafter to draft after the source:
+        the generation config's (first) EOS, which for chat models is the end-of-turn token."""
+        value = getattr(self.model.generation_config, "eos_token_id", None)
+        for candidate in (value[0] if isinstance(value, (list, tuple)) and value else value,
+                          self.tokenizer.eos_token_id):
+            if candidate in self.eos:
+                return [candidate]
+        return self.eos[:1]
+
+    # ---- public API ------------------------------------------------------------------------
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def segments(self, text: str) -> list[Segment]:
+        return split_segments(text, self.count_tokens, self.context_limit)
+
+    def correct(self, text: str) -> Correction:
+        segments = self.segments(text)
+        return self._finish(text, segments, [self._generate(s.text) if s.text else None for s in segments])
+
+    def correct_many(self, texts: Iterable[str]) -> Iterator[Correction]:
+        for text in texts:
+            yield self.correct(text)
+
+    def stream(self, text: str) -> Iterator[TextPiece | Correction]:
+        """TextPieces of the correction as it is decoded (the whitespace between segments comes
+        from the source, as from_draft=False pieces), then the final Correction."""
+        segments = self.segments(text)
+        generations: list[Generation | None] = []
+        for seg in segments:
+            if seg.lead:
+                yield TextPiece(seg.lead, False)
+            generations.append((yield from self._stream_segment(seg.text)) if seg.text else None)
+            if seg.trail:
+                yield TextPiece(seg.trail, False)
+        yield self._finish(text, segments, generations)
+
+    # ---- one segment -----------------------------------------------------------------------
+
+    def _make_drafter(self, text: str) -> Drafter | None:
+        if self.drafter == "copy":
+            return CopyDrafter.for_text(self.tokenizer, text, end_tokens=self.end_tokens)
+        if self.drafter == "prompt-lookup":
+            return PromptLookupDrafter()
+        return None
+
+    def _generate(self, text: str, on_step=None) -> Generation:
+        budget = self.max_new_tokens or 2 * self.count_tokens(text) + 16
+        return generate(self.model, gec_prompt_ids(self.tokenizer, text), self._make_drafter(text),
+                        max_new_tokens=budget, eos_token_id=self.eos, on_step=on_step)
+
+    def _stream_segment(self, text: str) -> Generator[TextPiece, None, Generation]:
+        """The reply's pieces as `str.strip` leaves the reply: leading whitespace dropped, trailing
+        whitespace held back until more text follows it. Returns the Generation."""
+        held: list[TextPiece] = []
+        started = False
+        for item in stream_generation(functools.partial(self._generate, text), self.tokenizer):
+            if isinstance(item, Generation):
+                return item
+            piece = item.text if started else item.text.lstrip()
+            started = started or bool(piece)
+            body = piece.rstrip()
+            if body:
+                yield from held
+                held = []
+                yield TextPiece(body, item.from_draft)
+            if len(piece) > len(body):
+                held.append(TextPiece(piece[len(body):], item.from_draft))
+        raise RuntimeError("the generation stream ended without a result")
+
+    def _reply(self, generation: Generation) -> str:
+        return self.tokenizer.decode(generation.tokens, skip_special_tokens=True).strip()
+
+    # ---- putting it together ---------------------------------------------------------------
+
+    def _finish(self, source: str, segments: list[Segment], generations: list[Generation | None]) -> Correction:
+        text = join_segments(segments, [self._reply(g) if g else "" for g in generations])
+        done = [g for g in generations if g is not None]
+        return Correction(
+            source=source, text=text, edits=word_diff(source, text),
+            stats=combine_stats(self._segment_stats(g) for g in done),
+            truncated=any(g.finish_reason in ("length", "context") for g in done),
+        )
+
+    def _segment_stats(self, g: Generation) -> dict:
+        s = g.stats
+        # Plain decoding: the same prefill, then one one-token forward per further new token.
+        plain = s.prefill_s + max(0, s.new_tokens - 1) * self._step_time()
+        return {"segments": 1, "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
+                "forward_passes": s.forward_passes, "drafted_tokens": sum(s.drafted),
+                "accepted_tokens": sum(s.accepted), "prefill_s": s.prefill_s, "total_s": s.total_s,
+                "estimated_plain_s": plain}
+
+    def _step_time(self) -> float:
+        """Seconds of one plain (one-token) decode step, timed once on a short plain decode.
+
+        Our own decode steps cannot stand in for it: a verify forward over a long draft costs
+        several one-token forwards on a CPU."""
+        if self._plain_step_s is None:
+            prompt = gec_prompt_ids(self.tokenizer, "This is a sentence.")
+            g = generate(self.model, prompt, None, max_new_tokens=CALIBRATION_TOKENS, eos_token_id=[])
+            self._plain_step_s = g.stats.decode_s / max(1, g.stats.forward_passes - 1)
+        return self._plain_step_s
+
+
+def _check(drafter: str, max_new_tokens: int | None) -> None:
+    if drafter not in DRAFTERS:
+        raise ValueError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

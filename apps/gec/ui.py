@@ -1,0 +1,108 @@
+"""The grammar-correction web UI: the correction streams in, showing which text the model only
+had to confirm (copied from an accepted draft) and which it wrote itself; then the word-level edits
+and the speed of the call."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from html import escape
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no phoning home
+
+import gradio as gr
+
+from specsuite.core import TextPiece
+
+from .corrector import Correction, Corrector, demo_sentences
+
+DRAFT_STYLE = "background:#dbeafe;border-radius:3px"  # light blue: confirmed in one verify pass
+DEL_STYLE = "color:#b91c1c;background:#fee2e2;text-decoration:line-through"
+INS_STYLE = "color:#15803d;background:#dcfce7;text-decoration:none"
+BOX_STYLE = "white-space:pre-wrap;line-height:1.7;font-size:1.05em;padding:.5em 0"
+
+LEGEND = (f'<span style="{DRAFT_STYLE}">highlighted</span>: copied from an accepted draft (many tokens per '
+          "model step); plain: written by the model one token per step.")
+
+
+def origin_html(pieces: list[TextPiece]) -> str:
+    """The correction so far, draft-accepted pieces highlighted."""
+    spans = "".join(f'<span style="{DRAFT_STYLE}">{escape(p.text)}</span>' if p.from_draft and p.text.strip()
+                    else escape(p.text) for p in pieces)
+    return f'<div style="{BOX_STYLE}">{spans}</div><p style="font-size:.85em;opacity:.75">{LEGEND}</p>'
+
+
+def diff_html(correction: Correction) -> str:
+    """The source with the edits in place: deletions struck through in red, insertions in green."""
+    source, out, pos = correction.source, [], 0
+    for edit in correction.edits:
+        out.append(escape(source[pos:edit.src_start]))
+        if edit.src:
+            out.append(f'<del style="{DEL_STYLE}">{escape(edit.src)}</del>')
+        if edit.tgt:
+            # Keep inserted words apart from their neighbours, which the source spacing cannot do.
+            before = " " if edit.src or (edit.src_start and not source[edit.src_start - 1].isspace()) else ""
+            after = " " if not edit.src and source[edit.src_end:edit.src_end + 1].strip() else ""
+            out.append(f'{before}<ins style="{INS_STYLE}">{escape(edit.tgt)}</ins>{after}')
+        pos = edit.src_end
+    out.append(escape(source[pos:]))
+    summary = f"{len(correction.edits)} edit{'s' * (len(correction.edits) != 1)}"
+    return f'<div style="{BOX_STYLE}">{"".join(out)}</div><p style="font-size:.85em;opacity:.75">{summary}</p>'
+
+
+def stats_html(correction: Correction) -> str:
+    s = correction.stats
+    rows = [
+        ("tokens/step", f"{s['tokens_per_step']:.2f}"),
+        ("acceptance rate", f"{s['acceptance_rate']:.0%} of {s['drafted_tokens']} drafted tokens"),
+        ("forward passes", f"{s['forward_passes']} for {s['new_tokens']} new tokens"),
+        ("estimated speedup", f"{s['estimated_speedup']:.2f}x vs plain decoding" if s["estimated_speedup"] else "n/a"),
+        ("time", f"{s['total_s']:.2f} s ({s['prefill_s']:.2f} s to the first token)"),
+    ]
+    if correction.truncated:
+        rows.append(("warning", "the correction was cut at the token limit"))
+    cells = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{escape(k)}</th><td>{escape(v)}</td></tr>"
+                    for k, v in rows)
+    note = ("<p style='font-size:.85em;opacity:.75'>The speedup is an estimate: our prefill plus one timed "
+            "one-token step per new token, over the actual time.</p>")
+    return f"<table>{cells}</table>{note}"
+
+
+def build_app(corrector: Corrector) -> gr.Blocks:
+    """The Blocks app around one loaded corrector."""
+
+    def run(text: str) -> Iterator[tuple[str, str, str]]:
+        if not text or not text.strip():
+            yield "", "", "<p>Nothing to correct.</p>"
+            return
+        pieces: list[TextPiece] = []
+        for item in corrector.stream(text):
+            if isinstance(item, TextPiece):
+                pieces.append(item)
+                yield origin_html(pieces), "", "<p>correcting…</p>"
+            else:
+                yield origin_html(pieces), diff_html(item), stats_html(item)
+
+    with gr.Blocks(title="specsuite · grammar correction") as app:
+        gr.Markdown("## Grammar correction\nSpeculative decoding drafted from the text itself: unchanged "
+                    "words cost one model step for many tokens.")
+        source = gr.Textbox(label="Text to correct", lines=5, elem_id="gec-input",
+                            placeholder="Type or paste text with mistakes…")
+        button = gr.Button("Correct", variant="primary", elem_id="gec-correct")
+        gr.Examples([[s] for s in demo_sentences()], inputs=source, elem_id="gec-examples")
+        gr.Markdown("### Correction")
+        output = gr.HTML(elem_id="gec-output")
+        gr.Markdown("### Edits")
+        diff = gr.HTML(elem_id="gec-diff")
+        gr.Markdown("### Speed")
+        stats = gr.HTML(elem_id="gec-stats")
+        button.click(run, inputs=source, outputs=[output, diff, stats])
+    return app
+
+
+def launch(corrector: Corrector, host: str = "127.0.0.1", port: int = 7860, share: bool = False,
+           prevent_thread_lock: bool = False) -> gr.Blocks:
+    """Build the app and serve it (blocking unless `prevent_thread_lock`); returns the app."""
+    app = build_app(corrector)
+    app.queue().launch(server_name=host, server_port=port, share=share, prevent_thread_lock=prevent_thread_lock)
+    return app

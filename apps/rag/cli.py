@@ -1,0 +1,133 @@
+"""`specsuite rag ...`: index/search/eval-retrieval (from specsuite.retrieval), plus ask, ui and demo.
+
+    specsuite rag demo                                  # index demos/corpus once, ask a sample question
+    specsuite rag index demos/corpus --out corpus.idx
+    specsuite rag ask corpus.idx "Who commanded Apollo 11?" -k 5
+    specsuite rag ui corpus.idx --port 7861
+
+The model and heavy libraries load inside the handlers, so `specsuite --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specsuite.core.models import DEFAULT_MODEL, cache_dir
+from specsuite.retrieval import cli as retrieval_cli
+
+from .qa import DRAFTERS
+
+DEMO_CORPUS = Path(__file__).resolve().parents[2] / "demos" / "corpus"
+DEMO_QUESTION = "Who were the crew of Apollo 11, and what did each of them do?"
+
+
+def demo_index_dir() -> Path:
+    return cache_dir() / "rag-demo-index"
+
+
+def _load_qa(args: argparse.Namespace, index_dir: str | Path):
+    from .qa import RagQA
+
+    return RagQA(str(index_dir), model=args.model, drafter=args.drafter,
+                 prefix_cache_bytes=0 if getattr(args, "no_prefix_cache", False) else 1 << 30,
+                 max_new_tokens=args.max_new_tokens)
+
+
+def _print_answer(answer) -> None:
+    print(answer.text)
+    print("\nSources:")
+    for n, (passage, score) in enumerate(answer.passages, 1):
+        cited = "  (cited)" if n in answer.citations else ""
+        print(f"  [{n}] score {score:.3f}  {passage.title or passage.doc_id}  "
+              f"{passage.url or passage.source} #{passage.id.rsplit('#', 1)[-1]}{cited}")
+    s = answer.stats
+    print(f"\nStats: {s['new_tokens']} tokens in {s['total_s']:.2f} s ({s['tokens_per_s']} tok/s), "
+          f"time to first token {s['ttft_s']:.2f} s, retrieval {s['retrieval_s']:.3f} s, "
+          f"{s['tokens_per_step']} tokens per forward pass, {s['acceptance_rate']:.0%} of drafted tokens accepted "
+          f"({s['drafter']} drafter), {s['cached_prompt_tokens']}/{s['prompt_tokens']} prompt tokens from the "
+          f"prefix cache, finish: {s['finish_reason']}")
+
+
+def _ask(args: argparse.Namespace) -> int:
+    try:
+        qa = _load_qa(args, args.index_dir)
+        _print_answer(qa.ask(args.question, args.k))
+    except retrieval_cli._errors() as e:
+        return retrieval_cli._fail(e)
+    return 0
+
+
+def _ui(args: argparse.Namespace) -> int:
+    try:
+        qa = _load_qa(args, args.index_dir)
+    except retrieval_cli._errors() as e:
+        return retrieval_cli._fail(e)
+    from .ui import build_app
+
+    build_app(qa).launch(server_name=args.host, server_port=args.port)
+    return 0
+
+
+def ensure_demo_index(rebuild: bool = False) -> Path:
+    """The index of demos/corpus in the cache, built on first use."""
+    from specsuite.core.models import DEFAULT_EMBEDDING_MODEL
+    from specsuite.retrieval import ChunkSettings, Embedder, PassageIndex, index_exists, load_documents
+
+    folder = demo_index_dir()
+    if rebuild or not index_exists(folder):
+        if not DEMO_CORPUS.is_dir():
+            raise FileNotFoundError(f"no demo corpus at {DEMO_CORPUS} (run from a source checkout)")
+        print(f"indexing {DEMO_CORPUS} into {folder}")
+        chunking = ChunkSettings(retrieval_cli.DEFAULT_CHUNK_TOKENS, retrieval_cli.DEFAULT_OVERLAP)
+        PassageIndex.build(load_documents([DEMO_CORPUS]), Embedder(DEFAULT_EMBEDDING_MODEL), chunking,
+                           progress=True).save(folder)
+    return folder
+
+
+def _demo(args: argparse.Namespace) -> int:
+    try:
+        folder = ensure_demo_index(args.rebuild)
+        qa = _load_qa(args, folder)
+        print(f"Q: {args.question}\n")
+        _print_answer(qa.ask(args.question, args.k))
+    except retrieval_cli._errors() as e:
+        return retrieval_cli._fail(e)
+    print(f"\n(index: {folder}; try `specsuite rag ui {folder}`)")
+    return 0
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset or local model folder (default {DEFAULT_MODEL})")
+    p.add_argument("--drafter", choices=DRAFTERS, default="reference",
+                   help="reference: copy from the passages (default); none: plain decoding")
+    p.add_argument("--max-new-tokens", type=retrieval_cli._positive_int, default=256, metavar="N")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `rag` command group."""
+    rag = subparsers.add_parser("rag", help="retrieval-augmented question answering over your documents")
+    rag_sub = rag.add_subparsers(dest="rag_command", required=True)
+    retrieval_cli.register(rag_sub)
+
+    a = rag_sub.add_parser("ask", help="answer a question from an index's passages")
+    a.add_argument("index_dir", metavar="INDEX_DIR")
+    a.add_argument("question")
+    a.add_argument("-k", type=retrieval_cli._positive_int, default=5, help="passages to retrieve (default 5)")
+    _model_options(a)
+    a.add_argument("--no-prefix-cache", action="store_true", help="do not reuse prompt KV across calls")
+    a.set_defaults(func=_ask)
+
+    u = rag_sub.add_parser("ui", help="the question-answering web app (Gradio)")
+    u.add_argument("index_dir", metavar="INDEX_DIR")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=7861)
+    _model_options(u)
+    u.add_argument("--no-prefix-cache", action="store_true", help="do not reuse prompt KV across questions")
+    u.set_defaults(func=_ui)
+
+    d = rag_sub.add_parser("demo", help="index demos/corpus (once) and answer a sample question")
+    d.add_argument("question", nargs="?", default=DEMO_QUESTION)
+    d.add_argument("-k", type=retrieval_cli._positive_int, default=3, help="passages to retrieve (default 3)")
+    _model_options(d)
+    d.add_argument("--rebuild", action="store_true", help="re-index the demo corpus")
+    d.set_defaults(func=_demo)

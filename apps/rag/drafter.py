@@ -1,0 +1,144 @@
+"""Reference drafting for RAG: answers quote their passages, so draft what follows in them.
+
+Every 1..max_ngram-gram of the reference passages (and, per generation, of the prompt) maps to the
+positions just past its occurrences. Each step looks up the longest suffix of the sequence (longest
+first) and drafts the tokens that follow those positions. A pointer follows the copy: when the
+output went on exactly as a drafted source did, that source's next tokens are the first choice,
+so a quote is drafted from the passage it started in even where its words occur elsewhere too.
+Distinct candidate continuations are verified together as a small token tree.
+
+The answer so far is indexed too (through `NgramIndex`), for answers that repeat themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from specsuite.core.draft import AdaptiveLength, Draft, Drafter
+from specsuite.core.prompt_lookup import NgramIndex
+
+from .prompt import passage_text
+
+OWN = -1  # source id of the sequence itself (prompt + answer so far)
+Location = tuple[int, int]  # (source id, index in that source of the next token to copy)
+
+
+def _index(table: dict[tuple[int, ...], list[Location]], source: int, tokens: list[int], max_ngram: int,
+           max_positions: int) -> None:
+    """Add the n-grams of `tokens` that have a continuation, mapped to the position after them."""
+    for end in range(1, len(tokens)):
+        for n in range(1, min(max_ngram, end) + 1):
+            places = table.setdefault(tuple(tokens[end - n: end]), [])
+            if len(places) < max_positions:  # a frequent token need not list every occurrence
+                places.append((source, end))
+
+
+class ReferenceDrafter(Drafter):
+    """Drafts continuations copied from `references` (token ids of each passage), the prompt, and
+    the answer so far.
+
+    max_ngram: longest suffix matched. max_tokens: longest draft (the length adapts to acceptance).
+    branches: distinct candidate continuations verified at once (1 = a chain only).
+    branch_tokens: length of the candidates after the first. max_nodes: tree size bound (each
+    drafted token costs a row of the verifying forward pass).
+    """
+
+    name = "reference"
+
+    def __init__(self, references: Sequence[Sequence[int]], max_ngram: int = 4, max_tokens: int = 16,
+                 branches: int = 3, branch_tokens: int = 6, max_nodes: int = 24, max_positions: int = 16) -> None:
+        if branches < 1 or max_ngram < 1:
+            raise ValueError("branches and max_ngram must be at least 1")
+        self.references = [list(r) for r in references]
+        self.max_ngram, self.branches, self.branch_tokens = max_ngram, branches, branch_tokens
+        self.max_nodes, self.max_positions = max_nodes, max_positions
+        self.table: dict[tuple[int, ...], list[Location]] = {}
+        for source, ref in enumerate(self.references):
+            _index(self.table, source, ref, max_ngram, max_positions)
+        self.prompt_source = len(self.references)  # the prompt is one more reference, per generation
+        self.own = NgramIndex(max_ngram)
+        self.length = AdaptiveLength(8, 1, max_tokens)
+        self.reset([])
+
+    @classmethod
+    def for_passages(cls, tokenizer, passages: Sequence[str], **kwargs) -> "ReferenceDrafter":
+        """Tokenize passages as an answer quotes them: mid-sentence, after a space."""
+        refs = [tokenizer(" " + passage_text(p), add_special_tokens=False)["input_ids"] for p in passages]
+        return cls(refs, **kwargs)
+
+    def reset(self, prompt: list[int], sampling=None) -> None:
+        self.prompt = list(prompt)
+        self.prompt_table: dict[tuple[int, ...], list[Location]] = {}
+        _index(self.prompt_table, self.prompt_source, self.prompt, self.max_ngram, self.max_positions)
+        self.own.reset()
+        self.length.reset()
+        self.seen = len(prompt)  # sequence length at the last proposal
+        self.drafted_from: list[Location] = []  # where each path of the last draft was copied from
+        self.recent: int | None = None  # the source the answer copied from last
+        self.misses = 0  # drafts in a row with nothing accepted
+        self.depth = 0  # depth of the last draft
+
+    def _source(self, source: int, tokens: list[int]) -> list[int]:
+        if source == OWN:
+            return tokens
+        return self.prompt if source == self.prompt_source else self.references[source]
+
+    def _follow(self, tokens: list[int]) -> Location | None:
+        """Where the copy goes on: the location of the last draft whose source holds exactly the
+        tokens added since (accepted draft tokens and the target's own next token), if any."""
+        new = tokens[self.seen:]
+        self.seen = len(tokens)
+        for source, pos in self.drafted_from:
+            if self._source(source, tokens)[pos: pos + len(new)] == new:
+                self.recent = source
+                return source, pos + len(new)
+        return None
+
+    def _candidates(self, tokens: list[int], pointer: Location | None) -> list[Location]:
+        """Locations to copy from, best first: the pointer, then matches of the longest suffix."""
+        out = [pointer] if pointer else []
+        # After drafts keep missing, a one-token match is too weak a hint to pay for verifying.
+        shortest = 2 if self.misses >= 2 else 1
+        own = self.own.lookup(tokens, shortest)
+        for n in range(min(self.max_ngram, len(tokens)), shortest - 1, -1):
+            key = tuple(tokens[-n:])
+            places = self.table.get(key, []) + self.prompt_table.get(key, [])
+            # The passage being quoted first (a stable sort keeps passages before the prompt).
+            places.sort(key=lambda loc: loc[0] != self.recent)
+            out += places
+            if own and own[1] == n:
+                out.append((OWN, own[0]))
+            if len(out) >= 4 * self.branches:
+                break
+        return out
+
+    def propose(self, tokens: list[int], max_depth: int) -> Draft | None:
+        pointer = self._follow(tokens)
+        self.own.extend(tokens)
+        depth = min(self.length.value, max_depth)
+        paths: list[list[int]] = []
+        self.drafted_from = []
+        nodes: set[tuple[int, ...]] = set()  # the tree so far, as root-to-node token paths
+        for source, pos in self._candidates(tokens, pointer):
+            if len(paths) == self.branches or len(nodes) >= self.max_nodes:
+                break
+            limit = depth if not paths else min(depth, self.branch_tokens)
+            path = self._source(source, tokens)[pos: pos + limit]
+            shared = 0
+            while shared < len(path) and tuple(path[: shared + 1]) in nodes:
+                shared += 1
+            path = path[: shared + self.max_nodes - len(nodes)]
+            if len(path) <= shared:  # nothing new: a duplicate continuation
+                continue
+            nodes.update(tuple(path[: i + 1]) for i in range(shared, len(path)))
+            paths.append(path)
+            self.drafted_from.append((source, pos))
+        self.depth = max(map(len, paths), default=0)
+        return Draft.from_paths(paths) if paths else None
+
+    def update(self, accepted: int, drafted: int) -> None:
+        if not drafted:
+            return
+        self.misses = 0 if accepted else self.misses + 1
+        # The length follows the deepest path: a tree never has all its nodes accepted.
+        self.length.update(accepted, self.depth)

@@ -1,0 +1,28 @@
+"""Shared, generic fixtures only (test files keep their own helpers)."""
+
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The evaluation data in ../shared/data (skips when it is not there)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"no shared data at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the smollm2-135m preset, loaded once per session in the default dtype.
+
+    Provisioning it downloads ~100 MB on first use; skips if that fails (offline, no cache)."""
+    from specsuite.core.models import ProvisioningError, load_model
+
+    try:
+        return load_model("smollm2-135m")
+    except ProvisioningError as e:
+        pytest.skip(f"smollm2-135m is not available: {e}")

@@ -1,0 +1,484 @@
+"""The draft-then-verify loop is exactly greedy decoding, whatever the drafter proposes.
+
+Tiny randomly initialised models (built from a config, seeded) stand in for real ones: every test
+compares `specsuite.core.generate` token for token with Hugging Face's own `model.generate(do_sample=False)`.
+Plus unit tests of the draft tree, the tree attention mask and greedy verification on hand-made logits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from specsuite.core import Draft, DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter, generate
+from specsuite.core.exact_attention import NAME as EXACT
+from specsuite.core.verify import tree_attention_mask, verify_greedy
+
+# `specsuite.core.generate` the attribute is the function; the module is needed for monkeypatching
+gen_mod = importlib.import_module("specsuite.core.generate")
+VOCAB = 96
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+
+
+def tiny_model(kind: str = "llama", attn: str = EXACT, seed: int = 0, vocab: int = VOCAB,
+               max_positions: int = 256, init: float = 0.3):
+    """A 2-layer, 32-wide random model in fp32. A large initializer_range gives peaked, varied
+    next-token distributions (the default 0.02 makes every logit nearly equal)."""
+    torch.manual_seed(seed)
+    config = CONFIGS[kind](
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=max_positions, initializer_range=init,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
+    assert model.config._attn_implementation == attn
+    return model
+
+
+_MODELS: dict = {}
+
+
+def model_for(kind: str = "llama", attn: str = EXACT, seed: int = 0, **kw):
+    key = (kind, attn, seed, tuple(sorted(kw.items())))
+    if key not in _MODELS:
+        _MODELS[key] = tiny_model(kind, attn, seed, **kw)
+    return _MODELS[key]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(count: int, seed: int, vocab: int = VOCAB, lengths=(1, 24)) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        p = [rng.randrange(vocab) for _ in range(rng.randint(*lengths))]
+        if len(p) > 6 and rng.random() < 0.5:  # repeated text gives prompt lookup something to copy
+            p = p + p[: rng.randint(2, len(p))]
+        out.append(p)
+    return out
+
+
+class OracleTreeDrafter(Drafter):
+    """Knows the true greedy continuation; proposes trees that mix the true path (of random depth,
+    sometimes corrupted after a few tokens) with wrong branches, the true branch in random sibling
+    order, so that accepted paths are often not the first laid-out nodes."""
+
+    name = "oracle"
+
+    def __init__(self, prompt: list[int], truth: list[int], seed: int, vocab: int = VOCAB,
+                 depth: tuple[int, int] = (1, 8), branches: int = 3, corrupt: float = 0.25,
+                 ignore_max_depth: bool = False) -> None:
+        self.prompt, self.truth, self.rng, self.vocab = prompt, truth, random.Random(seed), vocab
+        self.depth, self.branches, self.corrupt, self.ignore_max_depth = depth, branches, corrupt, ignore_max_depth
+        self.accepted = self.drafted = self.proposals = 0
+
+    def reset(self, prompt, sampling=None) -> None:
+        assert list(prompt) == self.prompt
+
+    def propose(self, tokens, max_depth):
+        rng = self.rng
+        done = len(tokens) - len(self.prompt)
+        # The loop only ever extends the sequence with the true greedy tokens.
+        assert tokens[: len(self.prompt)] == self.prompt and tokens[len(self.prompt):] == self.truth[:done]
+        depth = rng.randint(*self.depth)
+        if not self.ignore_max_depth:
+            depth = min(depth, max_depth)
+        true = self.truth[done: done + depth]
+        if not true:
+            return None
+        if len(true) > 1 and rng.random() < self.corrupt:  # partially right: a wrong token after a few
+            cut = rng.randrange(1, len(true))
+            true = true[:cut] + [(true[cut] + 1 + rng.randrange(self.vocab - 1)) % self.vocab]
+        paths = [true]
+        for _ in range(rng.randint(0, self.branches)):
+            cut = rng.randrange(len(true))
+            wrong = (true[cut] + 1 + rng.randrange(self.vocab - 1)) % self.vocab
+            paths.append(true[:cut] + [wrong] + [rng.randrange(self.vocab) for _ in range(rng.randint(0, 4))])
+        rng.shuffle(paths)
+        self.proposals += 1
+        return Draft.from_paths(paths)
+
+    def update(self, accepted, drafted):
+        self.accepted += accepted
+        self.drafted += drafted
+
+
+@pytest.fixture
+def keep_path_spy(monkeypatch):
+    """Counts cache compactions that keep a path other than the first laid-out nodes."""
+    calls = {"non_prefix": 0, "total": 0}
+    real = gen_mod._keep_path
+
+    def spy(cache, root, path, n):
+        calls["total"] += 1
+        if path != list(range(len(path))):
+            calls["non_prefix"] += 1
+        return real(cache, root, path, n)
+
+    monkeypatch.setattr(gen_mod, "_keep_path", spy)
+    return calls
+
+
+# ---- the draft tree ------------------------------------------------------------------------
+
+def test_draft_chain_and_depths():
+    d = Draft.chain([4, 5, 6])
+    assert d.parents == [-1, 0, 1] and d.depths == [1, 2, 3] and d.is_chain and len(d) == 3
+
+
+@pytest.mark.parametrize("parents", [[0], [-1, 1], [-1, 2, 0], [-2], [-1, 0, 5]])
+def test_draft_parents_must_precede_children(parents):
+    with pytest.raises(ValueError, match="parent"):
+        Draft(list(range(len(parents))), parents)
+
+
+def test_draft_needs_one_parent_per_token():
+    with pytest.raises(ValueError):
+        Draft([1, 2], [-1])
+
+
+def test_from_paths_merges_shared_prefixes():
+    d = Draft.from_paths([[1, 2, 3], [1, 2, 4], [1, 5], [6], [1, 2, 3, 7]])
+    assert d.tokens == [1, 2, 3, 4, 5, 6, 7]
+    assert d.parents == [-1, 0, 1, 1, 0, -1, 2]
+    assert d.depths == [1, 2, 3, 3, 2, 1, 4]
+    assert not d.is_chain
+    assert Draft.from_paths([[3, 4, 5]]).is_chain
+    assert len(Draft.from_paths([])) == 0
+
+
+def test_limit_depth_keeps_a_valid_tree_and_its_probs():
+    d = Draft.from_paths([[1, 2, 3], [1, 4], [5, 6, 7, 8]])
+    d.probs = torch.arange(len(d), dtype=torch.float32)[:, None].repeat(1, 3)
+    assert d.limit_depth(4) is d
+    two = d.limit_depth(2)
+    # kept nodes in order: 1 (d1), 2 (d2), 4 (d2), 5 (d1), 6 (d2)
+    assert two.tokens == [1, 2, 4, 5, 6]
+    assert two.parents == [-1, 0, 0, -1, 3]
+    assert two.depths == [1, 2, 2, 1, 2]
+    old = [d.tokens.index(t) for t in two.tokens]
+    assert torch.equal(two.probs[:, 0], torch.tensor(old, dtype=torch.float32))
+    one = d.limit_depth(1)
+    assert one.tokens == [1, 5] and one.parents == [-1, -1]
+    assert len(d.limit_depth(0)) == 0
+
+
+# ---- the tree attention mask ---------------------------------------------------------------
+
+def _rows(mask):
+    return [[int(v) for v in row] for row in mask[0, 0]]
+
+
+def test_tree_attention_mask_small_tree():
+    d = Draft([10, 11, 12, 13], [-1, 0, 0, 1])  # node 0 with children 1 and 2; node 3 under node 1
+    m = tree_attention_mask(d, past=2)
+    assert m.shape == (1, 1, 5, 7) and m.dtype == torch.bool
+    assert _rows(m) == [
+        # past  root  n0 n1 n2 n3
+        [1, 1, 1, 0, 0, 0, 0],  # root
+        [1, 1, 1, 1, 0, 0, 0],  # node 0
+        [1, 1, 1, 1, 1, 0, 0],  # node 1
+        [1, 1, 1, 1, 0, 1, 0],  # node 2: not its sibling
+        [1, 1, 1, 1, 1, 0, 1],  # node 3: root, 0, 1, itself
+    ]
+
+
+def test_tree_attention_mask_with_extra_rows():
+    d = Draft([10, 11, 12], [-1, -1, 1])  # two roots' children; node 2 under node 1
+    m = tree_attention_mask(d, past=1, extra=2)
+    assert m.shape == (1, 1, 6, 7)
+    assert _rows(m) == [
+        # past x0 x1 root n0 n1 n2
+        [1, 1, 0, 0, 0, 0, 0],  # extra 0
+        [1, 1, 1, 0, 0, 0, 0],  # extra 1
+        [1, 1, 1, 1, 0, 0, 0],  # root
+        [1, 1, 1, 1, 1, 0, 0],  # node 0
+        [1, 1, 1, 1, 0, 1, 0],  # node 1
+        [1, 1, 1, 1, 0, 1, 1],  # node 2
+    ]
+
+
+def test_tree_attention_mask_of_a_chain_is_causal():
+    m = tree_attention_mask(Draft.chain([1, 2, 3]), past=3, extra=1)
+    assert torch.equal(m[0, 0], torch.ones(5, 8, dtype=torch.bool).tril(3))
+
+
+# ---- greedy verification on hand-made logits -----------------------------------------------
+
+def logits_with_argmax(best: list[int], vocab: int = 10, gap: float = 1.0) -> torch.Tensor:
+    """Rows whose argmax is `best[i]`, beating the runner-up (the next index) by `gap`."""
+    rows = torch.zeros(len(best), vocab)
+    for i, b in enumerate(best):
+        rows[i, b] = 2.0
+        rows[i, (b + 1) % vocab] = 2.0 - gap
+    return rows
+
+
+def test_verify_greedy_chain():
+    d = Draft.chain([5, 7, 9])
+    assert verify_greedy(d, logits_with_argmax([5, 7, 3, 0])) == ([0, 1], 3)
+    assert verify_greedy(d, logits_with_argmax([5, 7, 9, 4])) == ([0, 1, 2], 4)
+    assert verify_greedy(d, logits_with_argmax([1, 7, 9, 4])) == ([], 1)
+
+
+def test_verify_greedy_tree_follows_the_matching_child():
+    d = Draft.from_paths([[1, 2], [1, 3], [4]])  # tokens [1, 2, 3, 4], parents [-1, 0, 0, -1]
+    assert (d.tokens, d.parents) == ([1, 2, 3, 4], [-1, 0, 0, -1])
+    assert verify_greedy(d, logits_with_argmax([1, 3, 0, 6, 0])) == ([0, 2], 6)
+    assert verify_greedy(d, logits_with_argmax([1, 2, 8, 0, 0])) == ([0, 1], 8)
+    assert verify_greedy(d, logits_with_argmax([4, 0, 0, 0, 7])) == ([3], 7)
+    assert verify_greedy(d, logits_with_argmax([1, 5, 0, 0, 0])) == ([0], 5)
+    assert verify_greedy(d, logits_with_argmax([9, 0, 0, 0, 0])) == ([], 9)
+
+
+def test_verify_greedy_exact_tie_takes_the_first_index_like_generate():
+    logits = torch.zeros(2, 10)
+    logits[0, [3, 6]] = 1.0
+    logits[1, 2] = 1.0
+    assert verify_greedy(Draft.chain([6]), logits) == ([], 3)
+    assert verify_greedy(Draft.chain([3]), logits) == ([0], 2)
+
+
+def test_verify_greedy_tie_margin_stops_before_an_unsure_row():
+    d = Draft.chain([5, 7, 9])
+    near = logits_with_argmax([5, 7, 9, 4], gap=1.0)
+    near[1, 8] = near[1, 7] - 0.05  # row 1 (after node 0) is a near-tie
+    assert verify_greedy(d, near) == ([0, 1, 2], 4)  # no margin: trusted
+    assert verify_greedy(d, near, tie_margin=0.01) == ([0, 1, 2], 4)
+    assert verify_greedy(d, near, tie_margin=0.1) == ([0], None)  # recompute after node 0
+    root_tie = logits_with_argmax([5, 7, 3, 0], gap=0.05)
+    assert verify_greedy(d, root_tie, tie_margin=0.1) == ([], None)
+    root_tie[1:, :] = logits_with_argmax([5, 7, 3, 0], gap=1.0)[1:]
+    assert verify_greedy(d, root_tie, tie_margin=0.1, trust_root=True) == ([0, 1], 3)
+
+
+def test_verify_greedy_tie_margin_in_a_tree():
+    d = Draft.from_paths([[1, 2], [1, 3]])
+    logits = logits_with_argmax([1, 3, 0, 6])
+    logits[3, 7] = logits[3, 6] - 0.01  # the row after node 2 is unsure
+    assert verify_greedy(d, logits, tie_margin=0.1) == ([0, 2], None)
+    assert verify_greedy(d, logits, tie_margin=0.001) == ([0, 2], 6)
+
+
+# ---- the loop equals Hugging Face greedy decoding -------------------------------------------
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_no_drafter_equals_hf_greedy(kind):
+    model = model_for(kind)
+    for i, p in enumerate(prompts(10, seed=1)):
+        n = 1 + (7 * i) % 30
+        ref = hf_greedy(model, p, n)
+        out = generate(model, p, NoDrafter(), max_new_tokens=n, eos_token_id=[])
+        assert out.tokens == ref
+        assert out.from_draft == [False] * n and out.finish_reason == "length"
+        assert out.stats.forward_passes == n and out.stats.new_tokens == n
+        assert out.stats.prompt_tokens == len(p)
+    # None means NoDrafter; a (1, T) tensor works as the prompt
+    p = prompts(1, seed=2)[0]
+    assert generate(model, torch.tensor([p]), None, max_new_tokens=9, eos_token_id=[]).tokens == hf_greedy(model, p, 9)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_prompt_lookup_equals_hf_greedy(kind):
+    model = model_for(kind)
+    accepted = 0
+    for i, p in enumerate(prompts(20, seed=3)):
+        n = (5, 17, 40)[i % 3]
+        out = generate(model, p, PromptLookupDrafter(max_tokens=4 + i % 7), max_new_tokens=n, eos_token_id=[])
+        assert out.tokens == hf_greedy(model, p, n), f"prompt {i}"
+        accepted += sum(out.stats.accepted)
+        assert sum(out.from_draft) == sum(out.stats.accepted)
+    assert accepted > 0  # random tiny models loop, and prompt lookup copies the loops
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_draft_model_equals_hf_greedy(kind):
+    target = model_for(kind, seed=0)
+    small = model_for(kind, seed=1)  # another random model, same vocabulary
+    for i, p in enumerate(prompts(12, seed=4)):
+        n = (3, 20, 33)[i % 3]
+        ref = hf_greedy(target, p, n)
+        out = generate(target, p, DraftModelDrafter(small, max_tokens=8, initial_tokens=2 + i % 5, confidence=0.0),
+                       max_new_tokens=n, eos_token_id=[])
+        assert out.tokens == ref, f"prompt {i}"
+        assert sum(out.stats.drafted) > 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_target_as_its_own_draft_model_is_almost_always_accepted(kind):
+    target = model_for(kind)
+    drafted = accepted = 0
+    for i, p in enumerate(prompts(8, seed=5)):
+        out = generate(target, p, DraftModelDrafter(target, max_tokens=8, confidence=0.0), max_new_tokens=30,
+                       eos_token_id=[])
+        assert out.tokens == hf_greedy(target, p, 30), f"prompt {i}"
+        drafted += sum(out.stats.drafted)
+        accepted += sum(out.stats.accepted)
+        assert out.stats.forward_passes < 15
+    assert drafted > 0 and accepted / drafted > 0.95
+
+
+@pytest.mark.parametrize("kind,attn,count", [
+    ("llama", EXACT, 20), ("qwen2", EXACT, 20),
+    ("llama", "sdpa", 10), ("qwen2", "sdpa", 10), ("llama", "eager", 10), ("qwen2", "eager", 10),
+])
+def test_oracle_token_trees_equal_hf_greedy(kind, attn, count, keep_path_spy):
+    model = model_for(kind, attn)
+    accepted = 0
+    for i, p in enumerate(prompts(count, seed=6)):
+        n = (1, 4, 17, 40)[i % 4]
+        truth = hf_greedy(model, p, n + 10)
+        oracle = OracleTreeDrafter(p, truth, seed=i)
+        out = generate(model, p, oracle, max_new_tokens=n, eos_token_id=[])
+        assert out.tokens == truth[:n], f"prompt {i}"
+        assert out.finish_reason == "length" and len(out.from_draft) == n
+        assert sum(out.from_draft) == sum(out.stats.accepted) == oracle.accepted
+        accepted += oracle.accepted
+        if n > 1:
+            assert out.stats.forward_passes < n  # a right draft is always offered: fewer passes
+    assert accepted > 0
+    # accepted paths that are not nodes 0..k: the cache kept scattered nodes (the non-crop branch)
+    assert keep_path_spy["non_prefix"] > 0
+
+
+def test_eos_inside_a_draft_ends_the_generation_there():
+    model = model_for("llama")
+    eos_from_draft = tested = 0
+    for i, p in enumerate(prompts(20, seed=7)):
+        truth = hf_greedy(model, p, 40)
+        # the first token that makes its first appearance mid-continuation becomes the EOS
+        k = next((k for k in range(3, 30) if truth[k] not in truth[:k]), None)
+        if k is None:
+            continue
+        eos = truth[k]
+        ref = hf_greedy(model, p, 40, eos=eos)
+        assert ref == truth[: k + 1]
+        oracle = OracleTreeDrafter(p, truth, seed=i, depth=(6, 8), branches=1, corrupt=0.0)
+        out = generate(model, p, oracle, max_new_tokens=40, eos_token_id=eos)
+        assert out.tokens == ref and out.finish_reason == "eos", f"prompt {i}"
+        assert len(out.from_draft) == len(out.tokens) == out.stats.new_tokens
+        tested += 1
+        eos_from_draft += out.from_draft[-1]
+    assert tested >= 10 and eos_from_draft >= 5  # the oracle drafted past the EOS and it was cut there
+
+
+def test_eos_as_a_set_and_as_the_first_token():
+    model = model_for("llama")
+    p = prompts(1, seed=8)[0]
+    truth = hf_greedy(model, p, 10)
+    out = generate(model, p, PromptLookupDrafter(), max_new_tokens=10, eos_token_id={truth[0], 12345})
+    assert out.tokens == truth[:1] and out.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_drafts_past_max_new_tokens_are_cut(n):
+    model = model_for("qwen2")
+    for i, p in enumerate(prompts(6, seed=9)):
+        truth = hf_greedy(model, p, n + 10)
+        oracle = OracleTreeDrafter(p, truth, seed=i, depth=(8, 8), corrupt=0.0, ignore_max_depth=True)
+        out = generate(model, p, oracle, max_new_tokens=n, eos_token_id=[])
+        assert out.tokens == truth[:n] == hf_greedy(model, p, n)
+        assert out.finish_reason == "length" and len(out.tokens) == n
+
+
+def test_max_new_tokens_one_is_one_forward_without_a_draft():
+    model = model_for("llama")
+    calls = []
+
+    class Spy(PromptLookupDrafter):
+        def propose(self, tokens, max_depth):
+            calls.append(max_depth)
+            return super().propose(tokens, max_depth)
+
+    for p in prompts(5, seed=10):
+        out = generate(model, p, Spy(), max_new_tokens=1, eos_token_id=[])
+        assert out.tokens == hf_greedy(model, p, 1)
+        assert out.stats.forward_passes == 1 and out.stats.drafted == [0]
+    assert calls == []  # no room for a draft: the drafter is not even asked
+
+
+def test_empty_draft_is_no_draft():
+    model = model_for("llama")
+
+    class Empty(Drafter):
+        def propose(self, tokens, max_depth):
+            return Draft([], [])
+
+    p = prompts(1, seed=11)[0]
+    out = generate(model, p, Empty(), max_new_tokens=7, eos_token_id=[])
+    assert out.tokens == hf_greedy(model, p, 7) and out.stats.drafted == [0] * 7
+
+
+@pytest.mark.parametrize("margin", [1e9, 0.3])
+def test_tie_guard_redo_keeps_greedy_output(monkeypatch, margin):
+    """A large tie margin makes rows 'unsure' (all of them, or the closer calls): the loop then
+    recomputes those positions one token at a time, and the output is still exactly greedy."""
+    monkeypatch.setattr(gen_mod, "_tie_margin", lambda model: margin)
+    model = model_for("llama")
+    redone = 0
+    for i, p in enumerate(prompts(8, seed=12)):
+        truth = hf_greedy(model, p, 25)
+        oracle = OracleTreeDrafter(p, truth, seed=i, depth=(3, 8))
+        out = generate(model, p, oracle, max_new_tokens=20, eos_token_id=[])
+        assert out.tokens == truth[:20], f"prompt {i}"
+        # the oracle always drafts: an undrafted step is a redo, or the last step when one token is left
+        redone += sum(d == 0 for d in out.stats.drafted) - 1
+    assert redone > 8
+
+
+def test_generation_stops_at_the_context_length():
+    model = model_for("llama", max_positions=32)
+    p = prompts(1, seed=13, lengths=(29, 29))[0][:29]
+    truth = hf_greedy(model, p, 3)
+    out = generate(model, p, PromptLookupDrafter(), max_new_tokens=10, eos_token_id=[])
+    assert out.tokens == truth and out.finish_reason == "context"
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+def test_empty_prompt_is_rejected():
+    model = model_for("llama")
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, [], max_new_tokens=3)
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, torch.zeros(1, 0, dtype=torch.long), max_new_tokens=3)
+
+
+def test_prompt_longer_than_the_context_is_rejected():
+    model = model_for("llama", max_positions=32)
+    for length in (32, 40):
+        with pytest.raises(ValueError, match="context"):
+            generate(model, [5] * length, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_max_new_tokens_below_one_is_rejected(n):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model_for("llama"), [1, 2, 3], max_new_tokens=n)
+
+
+@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 100, -1])
+def test_drafted_ids_outside_the_vocabulary_are_rejected(bad):
+    class Bad(Drafter):
+        name = "bad"
+
+        def propose(self, tokens, max_depth):
+            return Draft.from_paths([[3, bad], [4]])
+
+    with pytest.raises(ValueError, match="vocabulary"):
+        generate(model_for("llama"), [1, 2, 3], Bad(), max_new_tokens=5)
+
+
+def test_stop_strings_need_a_tokenizer():
+    with pytest.raises(ValueError, match="tokenizer"):
+        generate(model_for("llama"), [1, 2, 3], max_new_tokens=5, stop_strings=["x"])

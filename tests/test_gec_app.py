@@ -1,0 +1,130 @@
+"""The GEC app on the real small model: exactness against HF greedy, the corrector, the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from specsuite.apps.gec import corrector as corrector_module
+from specsuite.apps.gec.corrector import Correction, Corrector
+from specsuite.apps.gec.drafter import CopyDrafter
+from specsuite.apps.gec.prompt import gec_prompt_ids
+from specsuite.cli import main as specsuite_main
+from specsuite.core import PromptLookupDrafter, TextPiece, eos_token_ids, generate
+
+pytestmark = pytest.mark.real_model
+
+MAX_NEW = 16  # enough to cover copies, rejections and EOS inside drafts; the CPU is slow
+
+
+@pytest.fixture(scope="module")
+def sentences(shared_data):
+    path = shared_data / "jfleg/dev.src"
+    if not path.exists():
+        pytest.skip(f"no JFLEG data at {path}")
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return lines[:8]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(smollm2, sentences):
+    """HF's plain greedy output per sentence: the reference every drafter must reproduce."""
+    model, tok = smollm2
+    eos = sorted(eos_token_ids(model, tok))
+    out = []
+    for text in sentences:
+        ids = gec_prompt_ids(tok, text)
+        x = torch.tensor([ids])
+        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW,
+                           eos_token_id=eos, pad_token_id=eos[0], temperature=None, top_p=None, top_k=None)
+        out.append(y[0, len(ids):].tolist())
+    return out
+
+
+def test_correct_gives_consistent_edits(smollm2):
+    corrector = Corrector.from_loaded(*smollm2, max_new_tokens=20)
+    source = "She go to the school every days by bus."
+    c = corrector.correct(source)
+    assert isinstance(c, Correction) and c.source == source and c.text == c.text.strip()
+    rebuilt = source
+    for e in reversed(c.edits):  # apply the edits back to front: offsets stay valid
+        assert source[e.src_start:e.src_end] == e.src and c.text[e.tgt_start:e.tgt_end] == e.tgt
+        rebuilt = rebuilt[:e.src_start] + f" {e.tgt} " + rebuilt[e.src_end:]
+    assert rebuilt.split() == c.text.split()
+    s = c.stats
+    assert s["segments"] == 1 and s["new_tokens"] > 0 and s["forward_passes"] >= 1
+    assert 0 <= s["acceptance_rate"] <= 1 and s["estimated_speedup"] > 0
+    assert s["tokens_per_step"] == pytest.approx(s["new_tokens"] / s["forward_passes"], abs=1e-3)
+
+
+def test_stream_keeps_paragraphs_and_whitespace(smollm2):
+    corrector = Corrector.from_loaded(*smollm2, max_new_tokens=6)
+    text = "  I has a apple.\n\n\tShe go home yesterday.\n"
+    items = list(corrector.stream(text))
+    final = items.pop()
+    assert isinstance(final, Correction) and all(isinstance(p, TextPiece) for p in items)
+    assert "".join(p.text for p in items) == final.text
+    assert final.stats["segments"] == 2
+    # The layout between and around segments comes from the source, untouched.
+    assert items[0] == TextPiece("  ", False) and items[-1] == TextPiece("\n", False)
+    assert TextPiece("\n\n\t", False) in items
+    assert final.text.startswith("  ") and final.text.endswith("\n") and "\n\n\t" in final.text
+
+
+def test_blank_text_needs_no_model(smollm2):
+    c = Corrector.from_loaded(*smollm2).correct(" \n\n ")
+    assert c.text == " \n\n " and c.edits == [] and not c.truncated and c.stats["forward_passes"] == 0
+
+
+def test_truncation_is_reported(smollm2):
+    c = Corrector.from_loaded(*smollm2, max_new_tokens=2).correct("I has a apple.")
+    assert c.truncated and c.stats["new_tokens"] == 2
+
+
+def test_bad_drafter_name_is_rejected(smollm2):
+    with pytest.raises(ValueError, match="unknown drafter"):
+        Corrector.from_loaded(*smollm2, drafter="magic")
+
+
+def test_cli_correct_writes_error_records(smollm2, tmp_path, monkeypatch, capsys):
+    def load_shared(name, dtype=None):  # the CLI asks for the preset; hand it the loaded one
+        assert name == "smollm2-135m"
+        return smollm2
+
+    monkeypatch.setattr(corrector_module, "load_model", load_shared)
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"I has a apple.\n\xff\xfe broken\nShe go home.\n")
+    out = tmp_path / "out.jsonl"
+    code = specsuite_main(["gec", "correct", str(src), "-o", str(out), "--model", "smollm2-135m",
+                           "--max-new-tokens", "6"])
+    assert code == 1
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["line"] for r in records] == [1, 2, 3]
+    assert "invalid UTF-8" in records[1]["error"]
+    assert records[0]["source"] == "I has a apple." and records[0]["correction"] and "error" not in records[2]
+    assert "3 lines: 2 corrected, 1 errors" in capsys.readouterr().out
+
+
+def test_cli_missing_input_is_a_usage_error(tmp_path, capsys):
+    code = specsuite_main(["gec", "correct", str(tmp_path / "nope.txt"), "-o", str(tmp_path / "o.jsonl")])
+    assert code == 2 and capsys.readouterr().err.startswith("error: no such file")
+
+
+# Last in the file: the slowest tests. Each drafter must leave the output exactly HF's.
+DRAFTERS = {
+    # Long drafts (the whole rest of the source, trees after an edit) and short chains.
+    "copy-long": lambda tok, text, end: CopyDrafter.for_text(tok, text, end_tokens=end, max_tokens=64, overrun=64),
+    "copy-short": lambda tok, text, end: CopyDrafter.for_text(tok, text, end_tokens=end, max_tokens=2, branches=1),
+    "prompt-lookup": lambda tok, text, end: PromptLookupDrafter(),
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_drafted_generation_equals_hf_greedy(smollm2, sentences, hf_greedy, name):
+    model, tok = smollm2
+    corrector = Corrector.from_loaded(model, tok)
+    for text, expected in zip(sentences, hf_greedy):
+        g = generate(model, gec_prompt_ids(tok, text), DRAFTERS[name](tok, text, corrector.end_tokens),
+                     max_new_tokens=MAX_NEW, eos_token_id=corrector.eos)
+        assert g.tokens == expected, f"{name} differs from HF greedy on {text!r}"
+        assert len(g.from_draft) == len(g.tokens)
