@@ -43,14 +43,18 @@ def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if q_len == 1 or block is None or (block >= q_len and block == kv_len):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv_len - q_len
-    # The block runs as the causal prefill of plain decoding does. After a reused prefix (prefix
-    # cache) its rows are padded with dummy queries for the prefix, so that the kernel splits and
-    # rounds them exactly as in a prefill of the whole prompt; the padding rows are dropped.
-    q_block = query[:, :, :block]
-    if past:
-        q_block = torch.cat([q_block.new_zeros(*q_block.shape[:2], past, q_block.shape[3]), q_block], dim=2)
-    out = [sdpa_attention_forward(module, q_block, key[:, :, : past + block],
-                                  value[:, :, : past + block], None, **kwargs)[0][:, past:]]
+    out = []
+    if block > 1:
+        # The block runs as the causal prefill of plain decoding does. After a reused prefix (prefix
+        # cache) its rows are padded with dummy queries for the prefix, so that the kernel splits
+        # them as in a prefill of the whole prompt; the padding rows are dropped.
+        q_block = query[:, :, :block]
+        if past:
+            q_block = torch.cat([q_block.new_zeros(*q_block.shape[:2], past, q_block.shape[3]), q_block], dim=2)
+        out.append(sdpa_attention_forward(module, q_block, key[:, :, : past + block],
+                                          value[:, :, : past + block], None, **kwargs)[0][:, past:])
+    else:
+        block = 0  # a lone root token is a decode step: a row like the draft rows below
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0  # additive float mask: 0 where visible
     # Draft rows: the very call a one-token decode step makes in HF's sdpa_attention_forward (no
@@ -65,7 +69,8 @@ def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             k, v = key[:, :, visible], value[:, :, visible]
         rows.append(torch.nn.functional.scaled_dot_product_attention(
             query[:, :, row: row + 1], k, v, dropout_p=0.0, scale=scaling, enable_gqa=gqa))
-    out.append(torch.cat(rows, dim=2).transpose(1, 2))
+    if rows:
+        out.append(torch.cat(rows, dim=2).transpose(1, 2))
     return torch.cat(out, dim=1).contiguous(), None
 
 

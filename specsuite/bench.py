@@ -190,6 +190,10 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     }
     report["mismatches"] = {name: [i for i, (r, g) in enumerate(zip(runs[name], runs["hf_greedy"]))
                                    if r.tokens != g.tokens] for name in names}
+    if task == "rag":  # a follow-up question over the same passages reuses their KV
+        from specsuite.apps.rag.bench_task import prefix_cache_ttft
+
+        report["prefix_cache"] = prefix_cache_ttft(model, tok, _read_jsonl(data, n), n=min(3, n))
     return report
 
 
@@ -239,6 +243,12 @@ def _cmd(args: argparse.Namespace) -> int:
     for name, bad in report["mismatches"].items():
         if bad:
             print(f"{name}: output differs from HF greedy on prompts {bad}")
+    if "prefix_cache" in report:
+        pc = report["prefix_cache"]
+        print(f"prefix KV cache, follow-up question over the same passages (n={pc['n']}): TTFT "
+              f"{pc['ttft_followup_s']:.3f} s vs {pc['ttft_first_s']:.3f} s for the first question "
+              f"({pc['followup_vs_first']:.0%}); {pc['cached_prompt_tokens']:.0f} of {pc['prompt_tokens']:.0f} "
+              f"prompt tokens reused; identical to uncached: {pc['identical']:.0%}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.plot:

@@ -1,6 +1,6 @@
 """Speculative sampling is lossless: the tokens it emits are distributed exactly as plain sampling.
 
-The exact target distribution of the first two tokens is enumerated (small vocabulary) from the
+The exact target distribution of the first two tokens is enumerated (vocabulary of 8) from the
 model's own probabilities, warped by Hugging Face's logits processors (independent of
 `core.verify.warp`). Empirical distributions of seeded runs are compared with it by total
 variation (TV) distance and a chi-square test. Negative controls (deliberately wrong samplers) show
@@ -8,10 +8,10 @@ the same statistics do catch a biased sampler.
 
 Tolerances. An exact sampler's TV distance from the truth is itself random, with mean about
 floor = 0.5 * sum_x sqrt(2 p(x) (1 - p(x)) / (pi N)) (p: the exact distribution, N samples), and
-rarely above 2.3x that (simulated: the 99.9th percentile for 12-token distributions). So:
+rarely above 2.3x that (simulated: the 99.9th percentile, 12-token distributions). So:
 - the TV of each one-token marginal (first token; second token) must stay below
   max(0.05, 3 * floor); the tests keep that bound <= 0.07 by their choice of N and model;
-- the TV of the joint of both tokens (up to 144 cells) below max(0.1, 2 * floor);
+- the TV of the joint of both tokens (V * V = 64 cells) below max(0.1, 2 * floor);
 - a Pearson chi-square test of the joint must give p > 1e-3.
 A negative control must break a marginal bound and get chi-square p < 1e-6.
 """
@@ -206,7 +206,7 @@ def no_residual(draft, logits, sampling, generator=None):
         p = p_all[row]
         for child in kids.get(node, []):
             x = draft.tokens[child]
-            q = draft.probs[child] if draft.probs is not None else torch.nn.functional.one_hot(torch.tensor(x), V).float()
+            q = draft.probs[child] if draft.probs is not None else torch.eye(V)[x]
             if torch.rand((), generator=generator) * q[x] < p[x]:
                 path.append(child)
                 row, node = child + 1, child
@@ -216,8 +216,9 @@ def no_residual(draft, logits, sampling, generator=None):
 
 
 def _fixed_tree(target: Target) -> Draft:
-    """A deterministic tree: under the most likely and a mid first token, a likely and an unlikely
-    second token; plus an unlikely first token alone."""
+    """A deterministic tree: the likeliest first token with its likeliest second; the third
+    likeliest first token with its 2nd and 6th likeliest seconds; an unlikely first token alone.
+    The likeliest branch is not laid out first."""
     order = target.exact.sum(1).argsort(descending=True).tolist()
     a, c, e = order[0], order[2], order[-2]
     b = target.exact[a].argmax().item()

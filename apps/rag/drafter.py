@@ -57,7 +57,9 @@ class ReferenceDrafter(Drafter):
             _index(self.table, source, ref, max_ngram, max_positions)
         self.prompt_source = len(self.references)  # the prompt is one more reference, per generation
         self.own = NgramIndex(max_ngram)
-        self.length = AdaptiveLength(8, 1, max_tokens)
+        # As for the other copy drafters: a partial acceptance keeps the length (the output diverged
+        # from a right source), an outright miss halves it.
+        self.length = AdaptiveLength(max_tokens, 2, max_tokens, grow=max_tokens, keep_on_partial=True)
         self.reset([])
 
     @classmethod
@@ -116,23 +118,30 @@ class ReferenceDrafter(Drafter):
         pointer = self._follow(tokens)
         self.own.extend(tokens)
         depth = min(self.length.value, max_depth)
+        # While the output copies a source, its continuation is the draft. Otherwise several
+        # candidates are verified at once; the first one keeps the longest share of the node budget.
+        found: list[tuple[Location, list[int]]] = []
+        for source, pos in self._candidates(tokens, pointer):
+            path = self._source(source, tokens)[pos: pos + depth]
+            if path and not any(p[: len(path)] == path for _, p in found):
+                found.append(((source, pos), path))
+            if len(found) == (1 if pointer else self.branches):
+                break
+        first = max(1, self.max_nodes - (len(found) - 1) * self.branch_tokens)
         paths: list[list[int]] = []
         self.drafted_from = []
         nodes: set[tuple[int, ...]] = set()  # the tree so far, as root-to-node token paths
-        for source, pos in self._candidates(tokens, pointer):
-            if len(paths) == self.branches or len(nodes) >= self.max_nodes:
-                break
-            limit = depth if not paths else min(depth, self.branch_tokens)
-            path = self._source(source, tokens)[pos: pos + limit]
+        for location, path in found:
+            path = path[: first if not paths else self.branch_tokens]
             shared = 0
             while shared < len(path) and tuple(path[: shared + 1]) in nodes:
                 shared += 1
             path = path[: shared + self.max_nodes - len(nodes)]
-            if len(path) <= shared:  # nothing new: a duplicate continuation
+            if len(path) <= shared:  # no room, or nothing new
                 continue
             nodes.update(tuple(path[: i + 1]) for i in range(shared, len(path)))
             paths.append(path)
-            self.drafted_from.append((source, pos))
+            self.drafted_from.append(location)
         self.depth = max(map(len, paths), default=0)
         return Draft.from_paths(paths) if paths else None
 

@@ -18,7 +18,7 @@ import gradio as gr
 
 from specsuite.core import TextPiece
 
-from .qa import RagQA, Scored, copied_spans, parse_citations, passage_body
+from .qa import RagQA, Scored, copied_spans, passage_body
 
 # Scoped to each HTML component by Gradio (css_template).
 CSS = """
