@@ -170,7 +170,11 @@ def generate(
     `tokenizer`. prefix_cache: an optional `PrefixCache` that reuses the KV of a shared prompt prefix.
     """
     start = time.perf_counter()
-    prompt_ids = prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+            raise ValueError(f"one prompt at a time: expected (T,) or (1, T) token ids, got {tuple(prompt.shape)}")
+        prompt = prompt.reshape(-1).tolist()
+    prompt_ids = list(prompt)
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     if max_new_tokens < 1:

@@ -41,3 +41,37 @@ def smollm2_fp32():
         return load_model("smollm2-135m", dtype="fp32")
     except ProvisioningError as e:
         pytest.skip(f"smollm2-135m is not available: {e}")
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for an app under test."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def browser_page():
+    """A page in Debian's headless chromium driven by Playwright (never a downloaded browser).
+    Skips when chromium is missing, except on CI (CI set), where that is a failure."""
+    import os
+
+    if not CHROMIUM.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium package")
+        pytest.skip(f"{CHROMIUM} is not installed")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page()
+        finally:
+            browser.close()

@@ -1,27 +1,13 @@
 """The GEC web UI in a real browser: Debian's chromium driven by Playwright, the app in-process."""
 
 import os
-import socket
-from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # before gradio is imported
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
 pytestmark = [pytest.mark.browser, pytest.mark.real_model]
-
-if not CHROMIUM.exists() and not os.environ.get("CI"):  # on CI a missing browser is a failure
-    pytest.skip(f"{CHROMIUM} is not installed", allow_module_level=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +24,8 @@ def app_url(smollm2):
 
 
 @pytest.fixture(scope="module")
-def page():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
-        yield browser.new_page()
-        browser.close()
+def page(browser_page):
+    return browser_page
 
 
 def test_example_is_corrected_with_stats(app_url, page):

@@ -4,25 +4,18 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import pytest
+from conftest import free_port
 
 from specsuite.apps.rag.qa import RagQA
 from specsuite.apps.rag.ui import answer_html, build_app, passages_html
 
 DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
-CHROMIUM = Path("/usr/bin/chromium")
 QUESTION = "Who was the commander of Apollo 11?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -59,29 +52,17 @@ def test_api_ask_endpoint(app_url):
 
 
 @pytest.mark.browser
-def test_ask_in_the_browser(app_url):
-    if not CHROMIUM.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing (install Debian's chromium)")
-        pytest.skip(f"{CHROMIUM} is missing")
-    from playwright.sync_api import expect, sync_playwright
+def test_ask_in_the_browser(app_url, browser_page):
+    from playwright.sync_api import expect
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"])
-        try:
-            page = browser.new_page()
-            page.goto(app_url)
-            page.locator("#question textarea").fill(QUESTION)
-            page.locator("#ask").click()
-            expect(page.locator("#passages #passage-1")).to_be_visible(timeout=60_000)
-            expect(page.locator("#passages #passage-3")).to_contain_text("score")
-            expect(page.locator("#stats")).to_contain_text("new_tokens", timeout=60_000)
-            answer = page.locator("#answer .answer-text")
-            expect(answer).not_to_be_empty()
-            for link in page.locator("#answer a.copied").all():  # each highlight points at a shown passage
-                expect(page.locator(link.get_attribute("href"))).to_have_count(1)
-        finally:
-            browser.close()
+    page = browser_page
+    page.goto(app_url)
+    page.locator("#question textarea").fill(QUESTION)
+    page.locator("#ask").click()
+    expect(page.locator("#passages #passage-1")).to_be_visible(timeout=60_000)
+    expect(page.locator("#passages #passage-3")).to_contain_text("score")
+    expect(page.locator("#stats")).to_contain_text("new_tokens", timeout=60_000)
+    answer = page.locator("#answer .answer-text")
+    expect(answer).not_to_be_empty()
+    for link in page.locator("#answer a.copied").all():  # each highlight points at a shown passage
+        expect(page.locator(link.get_attribute("href"))).to_have_count(1)
