@@ -46,7 +46,7 @@ class ReferenceDrafter(Drafter):
     name = "reference"
 
     def __init__(self, references: Sequence[Sequence[int]], max_ngram: int = 4, max_tokens: int = 16,
-                 branches: int = 3, branch_tokens: int = 6, max_nodes: int = 24, max_positions: int = 16) -> None:
+                 branches: int = 2, branch_tokens: int = 6, max_nodes: int = 20, max_positions: int = 16) -> None:
         if branches < 1 or max_ngram < 1:
             raise ValueError("branches and max_ngram must be at least 1")
         self.references = [list(r) for r in references]
@@ -115,6 +115,11 @@ class ReferenceDrafter(Drafter):
         return out
 
     def propose(self, tokens: list[int], max_depth: int) -> Draft | None:
+        if len(tokens) <= len(self.prompt):
+            # At the prefill the sequence ends with the chat template's "assistant" header: its
+            # matches in the passages are noise, and each drafted row costs the long prefill more.
+            self.seen = len(tokens)
+            return None
         pointer = self._follow(tokens)
         self.own.extend(tokens)
         depth = min(self.length.value, max_depth)
