@@ -105,21 +105,7 @@ def _chunk_line(
     if count_tokens(text[lo:hi]) <= max_tokens:  # the common case: one call per line
         return [(lo, hi)]
     sentences = [(lo + s, lo + e) for s, e in split_sentences(text[lo:hi])]
-    chunks: list[tuple[int, int]] = []
-    i = 0
-    while i < len(sentences):
-        start, end = sentences[i]
-        if count_tokens(text[start:end]) > max_tokens:
-            chunks.extend(_split_words(text, start, end, count_tokens, max_tokens))
-            i += 1
-            continue
-        j = i + 1
-        while j < len(sentences) and count_tokens(text[start:sentences[j][1]]) <= max_tokens:
-            end = sentences[j][1]
-            j += 1
-        chunks.append((start, end))
-        i = j
-    return chunks
+    return _pack(text, sentences, count_tokens, max_tokens, _split_words)
 
 
 def _split_words(
@@ -127,21 +113,30 @@ def _split_words(
 ) -> list[tuple[int, int]]:
     """Greedy word-boundary pieces of text[lo:hi]; an oversized word is cut at characters."""
     words = [(lo + m.start(), lo + m.end()) for m in _WORD.finditer(text[lo:hi])]
-    pieces: list[tuple[int, int]] = []
+    return _pack(text, words, count_tokens, max_tokens, _split_chars)
+
+
+def _pack(
+    text: str, units: list[tuple[int, int]], count_tokens: Callable[[str], int], max_tokens: int,
+    split_oversized: Callable[..., list[tuple[int, int]]],
+) -> list[tuple[int, int]]:
+    """Greedily join consecutive units (sentences, words) into spans within the budget; a unit
+    over the budget on its own is cut finer by `split_oversized`."""
+    spans: list[tuple[int, int]] = []
     i = 0
-    while i < len(words):
-        start, end = words[i]
+    while i < len(units):
+        start, end = units[i]
         if count_tokens(text[start:end]) > max_tokens:
-            pieces.extend(_split_chars(text, start, end, count_tokens, max_tokens))
+            spans.extend(split_oversized(text, start, end, count_tokens, max_tokens))
             i += 1
             continue
         j = i + 1
-        while j < len(words) and count_tokens(text[start:words[j][1]]) <= max_tokens:
-            end = words[j][1]
+        while j < len(units) and count_tokens(text[start:units[j][1]]) <= max_tokens:
+            end = units[j][1]
             j += 1
-        pieces.append((start, end))
+        spans.append((start, end))
         i = j
-    return pieces
+    return spans
 
 
 def _split_chars(
