@@ -86,6 +86,19 @@ def eos_token_ids(model, tokenizer=None) -> set[int]:
     return ids
 
 
+def turn_end_token(model, tokenizer=None) -> int:
+    """The token the model ends its answer with (for drafters that draft the end of the answer):
+    the generation config's first EOS, which for chat models is the end-of-turn token; else the
+    tokenizer's EOS; else the lowest of `eos_token_ids`."""
+    eos = eos_token_ids(model, tokenizer)
+    value = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    first = value[0] if isinstance(value, (list, tuple)) and value else value
+    for candidate in (first, getattr(tokenizer, "eos_token_id", None)):
+        if candidate in eos:
+            return candidate
+    return min(eos)
+
+
 def context_length(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
 
@@ -122,19 +135,18 @@ def _forward(model, fresh: list[int], cache: DynamicCache, past: int, draft: Dra
     Returns (1 + len(draft), vocab) logits: row 0 for the last fresh token (the root), then one per node."""
     n = len(draft) if draft else 0
     ids = torch.tensor([fresh + (draft.tokens if draft else [])], device=model.device)
-    if draft is None or draft.is_chain:
-        # Plain causal attention; positions follow from the cache length.
-        with block_rows(len(fresh)):
-            return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1).logits[0]
-    root = past + len(fresh) - 1
-    positions = torch.tensor([list(range(past, root + 1)) + [root + d for d in draft.depths]], device=model.device)
-    mask = tree_attention_mask(draft, past, len(fresh) - 1, model.device)
-    if model.config._attn_implementation == "eager":
-        mask = torch.zeros(mask.shape, dtype=model.dtype, device=model.device).masked_fill(
-            ~mask, torch.finfo(model.dtype).min)
+    extra = {}
+    if draft is not None and not draft.is_chain:  # a chain needs no mask: plain causal attention
+        root = past + len(fresh) - 1
+        extra["position_ids"] = torch.tensor([list(range(past, root + 1)) + [root + d for d in draft.depths]],
+                                             device=model.device)
+        mask = tree_attention_mask(draft, past, len(fresh) - 1, model.device)
+        if model.config._attn_implementation == "eager":
+            mask = torch.zeros(mask.shape, dtype=model.dtype, device=model.device).masked_fill(
+                ~mask, torch.finfo(model.dtype).min)
+        extra["attention_mask"] = mask
     with block_rows(len(fresh)):
-        return model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
-                     logits_to_keep=n + 1).logits[0]
+        return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
 
 
 def _first_stop(tokenizer, new: list[int], stop_strings: Sequence[str], start: int) -> int | None:

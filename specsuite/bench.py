@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from specsuite.core import Drafter, DraftModelDrafter, PromptLookupDrafter, eos_token_ids, generate
+from specsuite.core import Drafter, DraftModelDrafter, PromptLookupDrafter, eos_token_ids, generate, turn_end_token
 from specsuite.core.chat import chat_prompt_ids
 from specsuite.core.models import DEFAULT_MODEL, load_model
 
@@ -42,13 +42,13 @@ class Run:
 
 # ---- tasks: how each reads its data and which app drafters apply -------------------------------
 
-def _gec_examples(path: Path, n: int, tok, eos: list[int]) -> list[Example]:
+def _gec_examples(path: Path, n: int, tok, end: list[int]) -> list[Example]:
     from specsuite.apps.gec.drafter import CopyDrafter
     from specsuite.apps.gec.prompt import gec_prompt_ids
 
     lines = [l.strip() for l in path.read_text(encoding="utf-8").splitlines() if l.strip()][:n]
     return [Example(gec_prompt_ids(tok, line),
-                    {"copy": lambda line=line: CopyDrafter.for_text(tok, line, end_tokens=eos[:1])})
+                    {"copy": lambda line=line: CopyDrafter.for_text(tok, line, end_tokens=end)})
             for line in lines]
 
 
@@ -57,11 +57,11 @@ def _read_jsonl(path: Path, n: int) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()][:n]
 
 
-def _summarize_examples(path: Path, n: int, tok, eos: list[int]) -> list[Example]:
+def _summarize_examples(path: Path, n: int, tok, end: list[int]) -> list[Example]:
     return [Example(chat_prompt_ids(tok, item["turns"][0]), {}) for item in _read_jsonl(path, n)]
 
 
-def _rag_examples(path: Path, n: int, tok, eos: list[int]) -> list[Example]:
+def _rag_examples(path: Path, n: int, tok, end: list[int]) -> list[Example]:
     from specsuite.apps.rag.bench_task import rag_example_parts
 
     out = []
@@ -149,7 +149,7 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     model, tok = load_model(model_name, dtype=dtype)
     draft_model = load_model(draft_model_name, dtype=dtype)[0] if draft_model_name else None
     eos = sorted(eos_token_ids(model, tok))
-    examples = TASKS[task](data, n, tok, eos)
+    examples = TASKS[task](data, n, tok, [turn_end_token(model, tok)])
     if not examples:
         raise ValueError(f"no prompts in {data}")
     base = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],

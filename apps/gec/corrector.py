@@ -12,7 +12,7 @@ from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 
-from specsuite.core import Generation, PromptLookupDrafter, TextPiece, eos_token_ids, generate
+from specsuite.core import Generation, PromptLookupDrafter, TextPiece, eos_token_ids, generate, turn_end_token
 from specsuite.core import stream as stream_generation
 from specsuite.core.draft import Drafter
 from specsuite.core.generate import context_length
@@ -85,21 +85,11 @@ class Corrector:
         self.model, self.tokenizer = model, tokenizer
         self.drafter, self.max_new_tokens = drafter, max_new_tokens
         self.eos = sorted(eos_token_ids(model, tokenizer))
-        self.end_tokens = self._turn_end()
+        self.end_tokens = [turn_end_token(model, tokenizer)]
         # The prompt holds the segment, the reply may be twice as long: a quarter of the context
         # per segment keeps both inside it (1024 tokens for the presets).
         self.context_limit = min(context_length(model) // 4, MAX_CONTEXT_LIMIT)
         self._plain_step_s: float | None = None  # one plain decode step, timed on first use
-
-    def _turn_end(self) -> list[int]:
-        """The token the model ends its answer with, for the copy drafter to draft after the source:
-        the generation config's (first) EOS, which for chat models is the end-of-turn token."""
-        value = getattr(self.model.generation_config, "eos_token_id", None)
-        for candidate in (value[0] if isinstance(value, (list, tuple)) and value else value,
-                          self.tokenizer.eos_token_id):
-            if candidate in self.eos:
-                return [candidate]
-        return self.eos[:1]
 
     # ---- public API ------------------------------------------------------------------------
 
