@@ -5,8 +5,9 @@ decoding would compute. In bf16 they are not quite: a k-row attention call takes
 than the one-row calls of `generate()`, and the last-bit differences flip near-ties of the argmax
 (measured here on Qwen2.5-0.5B: 3 of 20 JFLEG corrections diverged from greedy; 0 of 20 with this
 attention). So this attention runs the leading block of rows (the prompt, at prefill) as one
-causal call, exactly as `generate()`'s prefill does, and the root and each draft row as its own
-one-row call over exactly the keys it may see, exactly as a decode step does.
+causal call, exactly as `generate()`'s prefill does, and the root and each draft row as a one-row
+call over exactly the keys it may see, exactly as a decode step does. In bf16, rows of similar
+length share one call, batched and padded where that rounds the same (tested; see `_groups`).
 
 What remains: the linear layers are row-independent only up to the last bit (a one-row matmul
 takes another kernel than a multi-row one), which can still flip an exact tie of bf16 logits now
@@ -63,21 +64,85 @@ def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         block = 0  # a lone root token is a decode step: a row like the draft rows below
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0  # additive float mask: 0 where visible
-    # Draft rows: the very call a one-token decode step makes in HF's sdpa_attention_forward (no
-    # mask, GQA in the kernel), made directly: the wrapper's checks cost more than the kernel here.
-    scaling, gqa = kwargs.get("scaling"), getattr(module, "num_key_value_groups", 1) > 1
-    rows = []
-    for row in range(block, q_len):
-        if attention_mask is None:  # causal: a contiguous prefix of the keys
-            k, v = key[:, :, : past + row + 1], value[:, :, : past + row + 1]
-        else:  # a token tree: the cache, the root and this node's ancestors, in order
-            visible = attention_mask[0, 0, row].nonzero().squeeze(-1)
-            k, v = key[:, :, visible], value[:, :, visible]
-        rows.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, row: row + 1], k, v, dropout_p=0.0, scale=scaling, enable_gqa=gqa))
+    rows = list(range(block, q_len))
+    visible = _visible(attention_mask, rows, past)
+    lengths = [v if isinstance(v, int) else len(v) for v in visible]
+    if query.dtype == torch.bfloat16:  # prefix rows and gathered rows grouped apart
+        prefix = [i for i, v in enumerate(visible) if isinstance(v, int)]
+        gathered = [i for i, v in enumerate(visible) if not isinstance(v, int)]
+        groups = [[part[j] for j in group] for part in (prefix, gathered)
+                  for group in _groups([lengths[i] for i in part])]
+    else:
+        groups = [[i] for i in range(len(rows))]
+    draft_out = query.new_empty(query.shape[0], len(rows), query.shape[1], query.shape[3])
+    for group in groups:
+        draft_out[:, group] = _one_row_calls(module, query[:, :, [rows[i] for i in group]], key, value,
+                                             [visible[i] for i in group], kwargs.get("scaling"))
     if rows:
-        out.append(torch.cat(rows, dim=2).transpose(1, 2))
+        out.append(draft_out)
     return torch.cat(out, dim=1).contiguous(), None
+
+
+def _visible(mask: torch.Tensor | None, rows: list[int], past: int) -> list[int | torch.Tensor]:
+    """The keys each query row may see: their count where they are a prefix of the keys (a chain,
+    or a tree's first branch), else their indices (the cache, the root and the node's ancestors)."""
+    if mask is None or not rows:  # causal
+        return [past + row + 1 for row in rows]
+    m = mask[0, 0, rows[0]: rows[-1] + 1]  # (rows, kv) bool
+    counts = m.sum(-1)
+    last = m.shape[-1] - 1 - m.flip(-1).to(torch.uint8).argmax(-1)  # index of the last visible key
+    return [int(n) if is_prefix else m[i].nonzero().squeeze(-1)
+            for i, (n, is_prefix) in enumerate(zip(counts.tolist(), (counts == last + 1).tolist()))]
+
+
+def _groups(lengths: list[int]) -> list[list[int]]:
+    """Rows (by index) whose one-row calls may run as one batched call, padded to a common length.
+
+    A one-row call of the bf16 CPU kernel rounds the same over keys padded with masked zeros as long
+    as the padding stays within the same 16-key vector and the padded length is odd (its sums run
+    16 lanes wide and its bf16 products in pairs; tested bit for bit in tests/test_core_generate.py).
+    A row whose length ends a vector cannot be padded: it runs alone."""
+    by_vector: dict[int, list[int]] = {}
+    alone: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        if n % 16 == 0:
+            alone.append([i])
+        else:
+            by_vector.setdefault((n - 1) // 16, []).append(i)
+    return list(by_vector.values()) + alone
+
+
+def _one_row_calls(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   visible: list[int | torch.Tensor], scaling: float | None) -> torch.Tensor:
+    """The decode-step attention of g rows, as one call with the rows in the batch dimension.
+
+    query (1, heads, g, d), key/value (1, kv_heads, kv, d); visible[i]: the key indices row i sees,
+    or their count for a prefix of the keys. Returns (1, g, heads, d). For one row this is the very
+    call a one-token decode step makes in HF's sdpa_attention_forward (GQA in the kernel), made
+    directly: the wrapper's checks cost more than the kernel here."""
+    g = query.shape[2]
+    lengths = [v if isinstance(v, int) else len(v) for v in visible]
+    width = max(lengths)
+    if g > 1 and width % 2 == 0:
+        width += 1  # an odd padded length (see _groups)
+    prefixes = all(isinstance(v, int) for v in visible)
+    if prefixes and width > key.shape[2]:  # no key to pad with: the longest row goes alone
+        return torch.cat([_one_row_calls(module, query[:, :, :-1], key, value, visible[:-1], scaling),
+                          _one_row_calls(module, query[:, :, -1:], key, value, visible[-1:], scaling)], dim=1)
+    if prefixes:  # prefixes of the cache: no copy
+        k, v = key[:, :, :width].expand(g, -1, -1, -1), value[:, :, :width].expand(g, -1, -1, -1)
+    else:  # gather each row's keys, in order, padded with key 0 (masked out)
+        index = torch.zeros(g, width, dtype=torch.long)
+        for i, vis in enumerate(visible):
+            index[i, : lengths[i]] = torch.arange(vis) if isinstance(vis, int) else vis
+        k, v = key[0][:, index].transpose(0, 1), value[0][:, index].transpose(0, 1)
+    mask = None
+    if min(lengths) < width:
+        mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query[0].transpose(0, 1).unsqueeze(2), k, v, attn_mask=mask, dropout_p=0.0, scale=scaling,
+        enable_gqa=getattr(module, "num_key_value_groups", 1) > 1)
+    return out[:, :, 0].unsqueeze(0)  # (g, heads, 1, d) -> (1, g, heads, d)
 
 
 AttentionInterface.register(NAME, exact_attention)

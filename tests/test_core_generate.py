@@ -482,3 +482,48 @@ def test_drafted_ids_outside_the_vocabulary_are_rejected(bad):
 def test_stop_strings_need_a_tokenizer():
     with pytest.raises(ValueError, match="tokenizer"):
         generate(model_for("llama"), [1, 2, 3], max_new_tokens=5, stop_strings=["x"])
+
+
+def test_grouped_draft_rows_round_like_one_row_decode_steps_in_bf16():
+    """exact_attention runs draft rows of similar length as one batched call over keys padded with
+    masked zeros (see `_groups`); each row must come out bit for bit as its own one-row call, the
+    call of a decode step. Qwen2.5-0.5B's attention shapes; chains (prefixes) and trees (gathered keys)."""
+    from types import SimpleNamespace
+
+    from specsuite.core.exact_attention import _groups, _one_row_calls
+
+    module = SimpleNamespace(num_key_value_groups=7)
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for trial in range(80):
+        past, n = int(torch.randint(1, 1100, (), generator=gen)), int(torch.randint(2, 24, (), generator=gen))
+        q = torch.randn(1, 14, n, 64, generator=gen).bfloat16()
+        k, v = (torch.randn(1, 2, past + n, 64, generator=gen).bfloat16() for _ in range(2))
+        if trial % 2:  # a chain: row j sees a prefix
+            visible = [past + j + 1 for j in range(n)]
+        else:  # a tree: the cache plus a random subset of the draft rows before it
+            visible = [torch.cat([torch.arange(past + 1), past + 1 + torch.nonzero(
+                torch.rand(j, generator=gen) < 0.5).squeeze(-1)]) for j in range(n)]
+        groups = _groups([v_ if isinstance(v_, int) else len(v_) for v_ in visible])
+        assert sorted(i for g in groups for i in g) == list(range(n))
+        for group in groups:
+            out = _one_row_calls(module, q[:, :, group], k, v, [visible[i] for i in group], 0.125)
+            for col, i in enumerate(group):
+                keys = torch.arange(visible[i]) if isinstance(visible[i], int) else visible[i]
+                one = torch.nn.functional.scaled_dot_product_attention(
+                    q[:, :, i: i + 1], k[:, :, keys], v[:, :, keys], scale=0.125, enable_gqa=True)
+                assert torch.equal(out[0, col], one[0, :, 0]), (trial, past, i)
+                checked += 1
+    assert checked > 800
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_oracle_token_trees_equal_hf_greedy_in_bf16(kind, keep_path_spy):
+    """The same in bf16, where draft rows run grouped (a tiny model's matmuls round alike for one
+    row and many, so this isolates the attention)."""
+    model = tiny_model(kind, max_positions=512).to(torch.bfloat16)
+    for i, p in enumerate(prompts(12, seed=8, lengths=(1, 200))):
+        n = (17, 40, 60)[i % 3]
+        truth = hf_greedy(model, p, n + 10)
+        out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=n, eos_token_id=[])
+        assert out.tokens == truth[:n], f"prompt {i}"
