@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from .draft import Draft, Drafter, NoDrafter
 from .exact_attention import NAME as EXACT_ATTENTION, block_rows
-from .verify import Sampling, tree_attention_mask, verify_greedy, verify_sample, warp
+from .verify import Sampling, top_two, tree_attention_mask, verify_greedy, verify_sample, warp
 
 # Called after every step with the new tokens and, per token, whether it came from an accepted draft.
 StepCallback = Callable[[list[int], list[bool]], None]
@@ -206,7 +206,7 @@ def generate(
 
     def pick(logits: torch.Tensor) -> int:
         if sampling is None:
-            return int(logits.argmax())
+            return int(top_two(logits[None])[0])
         return int(torch.multinomial(warp(logits[None], sampling)[0], 1, generator=generator))
 
     if prefix_cache is not None:  # reuse the KV of the longest cached prefix of the prompt

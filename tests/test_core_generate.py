@@ -527,3 +527,22 @@ def test_oracle_token_trees_equal_hf_greedy_in_bf16(kind, keep_path_spy):
         truth = hf_greedy(model, p, n + 10)
         out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=n, eos_token_id=[])
         assert out.tokens == truth[:n], f"prompt {i}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [96, 1024, 151936])
+def test_top_two_equals_argmax_and_topk_with_ties(dtype, vocab):
+    from specsuite.core.verify import top_two
+
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(30):
+        logits = (torch.randn(5, vocab, generator=gen) * 4).to(dtype)
+        if trial % 2:  # exact ties of the maximum, in one block or across blocks
+            spots = torch.randint(0, vocab, (3,), generator=gen)
+            logits[:, spots] = logits.max() + 1
+            if trial % 4 == 1:
+                logits[:, spots[0] // 128 * 128 + 1 if vocab > 256 else 0] = logits.max()
+        best, first, second = top_two(logits)
+        ref = logits.float().topk(2, dim=-1).values
+        assert torch.equal(best, logits.argmax(-1)), trial
+        assert torch.equal(first, ref[:, 0]) and torch.equal(second, ref[:, 1]), trial
