@@ -40,13 +40,14 @@ class ReferenceDrafter(Drafter):
     max_ngram: longest suffix matched. max_tokens: longest draft (the length adapts to acceptance).
     branches: distinct candidate continuations verified at once (1 = a chain only).
     branch_tokens: length of the candidates after the first. max_nodes: tree size bound (each
-    drafted token costs a row of the verifying forward pass).
+    drafted token costs a row of the verifying forward pass: ~3% of a decode step at the ~800-token
+    contexts of Spec-Bench RAG, where 12 nodes ran 4% faster than 20, and as fast as a chain).
     """
 
     name = "reference"
 
     def __init__(self, references: Sequence[Sequence[int]], max_ngram: int = 4, max_tokens: int = 16,
-                 branches: int = 2, branch_tokens: int = 6, max_nodes: int = 20, max_positions: int = 16) -> None:
+                 branches: int = 2, branch_tokens: int = 4, max_nodes: int = 12, max_positions: int = 16) -> None:
         if branches < 1 or max_ngram < 1:
             raise ValueError("branches and max_ngram must be at least 1")
         self.references = [list(r) for r in references]
