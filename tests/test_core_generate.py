@@ -488,11 +488,9 @@ def test_grouped_draft_rows_round_like_one_row_decode_steps_in_bf16():
     """exact_attention runs draft rows of similar length as one batched call over keys padded with
     masked zeros (see `_groups`); each row must come out bit for bit as its own one-row call, the
     call of a decode step. Qwen2.5-0.5B's attention shapes; chains (prefixes) and trees (gathered keys)."""
-    from types import SimpleNamespace
+    from specsuite.core.exact_attention import _grouping_is_exact, _groups, _one_row_calls
 
-    from specsuite.core.exact_attention import _groups, _one_row_calls
-
-    module = SimpleNamespace(num_key_value_groups=7)
+    assert _grouping_is_exact(14, 2, 64)  # the self-check agrees
     gen = torch.Generator().manual_seed(0)
     checked = 0
     for trial in range(80):
@@ -507,7 +505,7 @@ def test_grouped_draft_rows_round_like_one_row_decode_steps_in_bf16():
         groups = _groups([v_ if isinstance(v_, int) else len(v_) for v_ in visible])
         assert sorted(i for g in groups for i in g) == list(range(n))
         for group in groups:
-            out = _one_row_calls(module, q[:, :, group], k, v, [visible[i] for i in group], 0.125)
+            out = _one_row_calls(q[:, :, group], k, v, [visible[i] for i in group], 0.125, True)
             for col, i in enumerate(group):
                 keys = torch.arange(visible[i]) if isinstance(visible[i], int) else visible[i]
                 one = torch.nn.functional.scaled_dot_product_attention(
