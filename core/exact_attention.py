@@ -121,7 +121,7 @@ def _grouping_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
     """Whether grouped rows (`_groups`) round as one-row calls do, on this machine's kernel.
 
     The rule was found on torch 2.13's CPU kernel; another build or CPU may round otherwise. So it
-    is checked once per attention shape on random rows (~0.2 s), and rows run one per call if not."""
+    is checked once per attention shape on random rows (milliseconds), and rows run one per call if not."""
     gen = torch.Generator().manual_seed(0)
     for past in (100, 131, 700):
         n = 16

@@ -178,12 +178,15 @@ def generate(
     tokenizer=None,
     on_step: StepCallback | None = None,
     prefix_cache=None,
+    tie_margin: float | None = None,
 ) -> Generation:
     """Decode from `prompt` (token ids, or a (1, T) tensor) with draft-then-verify.
 
     drafter: proposes drafts (None: plain decoding). sampling: None for greedy (exact), else
     lossless speculative sampling with `generator` as the source of randomness. stop_strings need
     `tokenizer`. prefix_cache: an optional `PrefixCache` that reuses the KV of a shared prompt prefix.
+    tie_margin: greedy only; rows whose top two logits are closer are recomputed alone (default:
+    per dtype and attention, see `_tie_margin`).
     """
     start = time.perf_counter()
     if isinstance(prompt, torch.Tensor):
@@ -198,6 +201,8 @@ def generate(
     limit = context_length(model)
     if len(prompt_ids) >= limit:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
+    if tie_margin is not None and tie_margin < 0:
+        raise ValueError(f"tie_margin must be >= 0, got {tie_margin}")
     if stop_strings and tokenizer is None:
         raise ValueError("stop_strings need the tokenizer")
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -227,7 +232,10 @@ def generate(
     finish = None
     stop_from = 0  # new tokens before this index were already searched for stop strings
     redo = False  # the last step ended on a near-tie: recompute it with a one-token forward
-    tie_margin = _tie_margin(model) if sampling is None else 0.0
+    if sampling is not None:
+        tie_margin = 0.0
+    elif tie_margin is None:
+        tie_margin = _tie_margin(model)
 
     # Each step drafts, then runs ONE forward over [fresh tokens, draft]. The first step is the
     # prefill: its draft is verified in the same pass as the prompt, so copying starts at once.

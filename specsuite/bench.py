@@ -115,8 +115,9 @@ def _hf_run(model, counter, ids: list[int], config: GenerationConfig, assistant=
     return Run(out[0, len(ids):].tolist(), end - start, (clock.first or end) - start, counter.count)
 
 
-def _spec_run(model, ids: list[int], drafter: Drafter, max_new_tokens: int, eos: list[int]) -> Run:
-    g = generate(model, ids, drafter, max_new_tokens=max_new_tokens, eos_token_id=eos)
+def _spec_run(model, ids: list[int], drafter: Drafter, max_new_tokens: int, eos: list[int],
+              tie_margin: float | None = None) -> Run:
+    g = generate(model, ids, drafter, max_new_tokens=max_new_tokens, eos_token_id=eos, tie_margin=tie_margin)
     return Run(g.tokens, g.stats.total_s, g.stats.prefill_s, g.stats.forward_passes)
 
 
@@ -144,8 +145,9 @@ def _summarize(runs: list[Run], greedy: list[Run], examples: list[Example], tok)
 
 def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: int = 128,
               draft_model_name: str | None = None, dtype: str | None = None,
-              methods: list[str] | None = None) -> dict:
-    """Run every applicable method on the first `n` prompts of `data`; returns the JSON report."""
+              methods: list[str] | None = None, tie_margin: float | None = None) -> dict:
+    """Run every applicable method on the first `n` prompts of `data`; returns the JSON report.
+    tie_margin: passed to our methods' `generate` (None: its default)."""
     model, tok = load_model(model_name, dtype=dtype)
     draft_model = load_model(draft_model_name, dtype=dtype)[0] if draft_model_name else None
     eos = sorted(eos_token_ids(model, tok))
@@ -155,20 +157,22 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     base = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
                 temperature=None, top_p=None, top_k=None)
     counter = _ForwardCounter(model)
+
+    def spec(e: Example, drafter: Drafter) -> Run:
+        return _spec_run(model, e.prompt_ids, drafter, max_new_tokens, eos, tie_margin)
+
     runners: dict[str, Callable[[Example], Run]] = {
         "hf_greedy": lambda e: _hf_run(model, counter, e.prompt_ids, GenerationConfig(**base)),
         "hf_prompt_lookup": lambda e: _hf_run(model, counter, e.prompt_ids,
                                               GenerationConfig(**base, prompt_lookup_num_tokens=10)),
-        "spec_prompt_lookup": lambda e: _spec_run(model, e.prompt_ids, PromptLookupDrafter(), max_new_tokens, eos),
+        "spec_prompt_lookup": lambda e: spec(e, PromptLookupDrafter()),
     }
     if draft_model is not None:
         runners["hf_assisted"] = lambda e: _hf_run(model, counter, e.prompt_ids, GenerationConfig(**base),
                                                    assistant=draft_model)
-        runners["spec_draft_model"] = lambda e: _spec_run(model, e.prompt_ids, DraftModelDrafter(draft_model),
-                                                          max_new_tokens, eos)
+        runners["spec_draft_model"] = lambda e: spec(e, DraftModelDrafter(draft_model))
     for suffix in examples[0].drafters:
-        runners[f"spec_{suffix}"] = lambda e, s=suffix: _spec_run(model, e.prompt_ids, e.drafters[s](),
-                                                                 max_new_tokens, eos)
+        runners[f"spec_{suffix}"] = lambda e, s=suffix: spec(e, e.drafters[s]())
     if methods:
         unknown = set(methods) - set(runners)
         if unknown:
@@ -185,7 +189,7 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     report = {
         "task": task, "model": model_name, "n": len(examples), "max_new_tokens": max_new_tokens,
         "dtype": str(model.dtype).replace("torch.", ""), "draft_model": draft_model_name,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "tie_margin": tie_margin,
         "methods": {name: _summarize(runs[name], runs["hf_greedy"], examples, tok) for name in names},
     }
     report["mismatches"] = {name: [i for i, (r, g) in enumerate(zip(runs[name], runs["hf_greedy"]))
@@ -237,7 +241,7 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"error: no such data file: {data}", file=sys.stderr)
         return 1
     report = run_bench(args.task, args.model, data, args.n, args.max_new_tokens, args.draft_model, args.dtype,
-                       args.methods.split(",") if args.methods else None)
+                       args.methods.split(",") if args.methods else None, args.tie_margin)
     print(f"\n{args.task} · {args.model} ({report['dtype']}) · n={report['n']} · max_new_tokens={args.max_new_tokens}")
     print(format_table(report))
     for name, bad in report["mismatches"].items():
@@ -266,6 +270,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-model", help="a small model with the same tokenizer: adds hf_assisted and spec_draft_model")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
     p.add_argument("--methods", help="comma-separated subset of methods (hf_greedy always runs)")
+    p.add_argument("--tie-margin", type=float, help="our methods: recompute rows whose top two logits are "
+                   "closer than this (default: per dtype; 0 in bf16 with exact attention)")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a bar chart of the speedups here (needs matplotlib)")
     p.set_defaults(func=_cmd)

@@ -420,16 +420,15 @@ def test_empty_draft_is_no_draft():
 
 
 @pytest.mark.parametrize("margin", [1e9, 0.3])
-def test_tie_guard_redo_keeps_greedy_output(monkeypatch, margin):
+def test_tie_guard_redo_keeps_greedy_output(margin):
     """A large tie margin makes rows 'unsure' (all of them, or the closer calls): the loop then
     recomputes those positions one token at a time, and the output is still exactly greedy."""
-    monkeypatch.setattr(gen_mod, "_tie_margin", lambda model: margin)
     model = model_for("llama")
     redone = 0
     for i, p in enumerate(prompts(8, seed=12)):
         truth = hf_greedy(model, p, 25)
         oracle = OracleTreeDrafter(p, truth, seed=i, depth=(3, 8))
-        out = generate(model, p, oracle, max_new_tokens=20, eos_token_id=[])
+        out = generate(model, p, oracle, max_new_tokens=20, eos_token_id=[], tie_margin=margin)
         assert out.tokens == truth[:20], f"prompt {i}"
         # the oracle always drafts: an undrafted step is a redo, or the last step when one token is left
         redone += sum(d == 0 for d in out.stats.drafted) - 1
@@ -459,6 +458,11 @@ def test_prompt_longer_than_the_context_is_rejected():
     for length in (32, 40):
         with pytest.raises(ValueError, match="context"):
             generate(model, [5] * length, max_new_tokens=3)
+
+
+def test_negative_tie_margin_is_rejected():
+    with pytest.raises(ValueError, match="tie_margin"):
+        generate(model_for("llama"), [1, 2, 3], max_new_tokens=2, tie_margin=-0.1)
 
 
 @pytest.mark.parametrize("n", [0, -1])
