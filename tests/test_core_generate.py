@@ -519,6 +519,28 @@ def test_grouped_draft_rows_round_like_one_row_decode_steps_in_bf16():
     assert checked > 800
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_after_a_cached_prefix_rounds_like_the_whole_prompts_prefill(dtype):
+    """With a prefix cache, the new prompt rows run after the cached keys; their attention must come
+    out bit for bit as in one causal prefill of the whole prompt (what runs without the cache).
+    Qwen2.5-0.5B's attention shapes, random prompt lengths and numbers of new rows."""
+    import types
+
+    from specsuite.core.exact_attention import _prefill_block
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = types.SimpleNamespace(is_causal=True, training=False, num_key_value_groups=7)
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(30):
+        end = int(torch.randint(100, 1300, (), generator=gen))
+        block = int(torch.randint(2, 90, (), generator=gen))
+        q = torch.randn(1, 14, end, 64, generator=gen).to(dtype)
+        k, v = (torch.randn(1, 2, end, 64, generator=gen).to(dtype) for _ in range(2))
+        whole = sdpa_attention_forward(module, q, k, v, None, scaling=0.125)[0]
+        block_out = _prefill_block(module, q[:, :, end - block:], k, v, end - block, {"scaling": 0.125})
+        assert torch.equal(block_out, whole[:, end - block:]), (trial, end, block)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_oracle_token_trees_equal_hf_greedy_in_bf16(kind, keep_path_spy):
     """The same in bf16, where draft rows run grouped (a tiny model's matmuls round alike for one
