@@ -197,7 +197,7 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     if task == "rag":  # a follow-up question over the same passages reuses their KV
         from specsuite.apps.rag.bench_task import prefix_cache_ttft
 
-        report["prefix_cache"] = prefix_cache_ttft(model, tok, _read_jsonl(data, n), n=min(3, n))
+        report["prefix_cache"] = prefix_cache_ttft(model, tok, _read_jsonl(data, n), n=min(10, n))
     return report
 
 
