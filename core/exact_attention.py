@@ -9,9 +9,8 @@ causal call, exactly as `generate()`'s prefill does, and the root and each draft
 call over exactly the keys it may see, exactly as a decode step does. In bf16, rows of similar
 length share one call, batched and padded where that rounds the same (tested; see `_groups`).
 
-What remains: the linear layers are row-independent only up to the last bit (a one-row matmul
-takes another kernel than a multi-row one), which can still flip an exact tie of bf16 logits now
-and then; see `_tie_margin` in generate.py for what was measured. In fp32 the differences are ~1e-5.
+The linear layers need the same care in bf16: see exact_linear.py, which `load_model` installs
+alongside this attention. In fp32 the differences are ~1e-5, and generate() guards near-ties.
 """
 
 from __future__ import annotations
@@ -28,25 +27,33 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specsuite_exact"
 
-# How many leading query rows of the current forward are plain (prompt/fresh) tokens.
-_block_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("specsuite_block_rows", default=None)
+# (leading plain rows, all rows) of the current forward: the prompt/fresh tokens, then the draft.
+_block_rows: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("specsuite_block_rows",
+                                                                                      default=None)
 
 
 @contextlib.contextmanager
-def block_rows(n: int):
-    """Within this context, forwards compute their first `n` query rows as one causal block."""
-    token = _block_rows.set(n)
+def block_rows(n: int, total: int):
+    """Within this context, forwards of `total` rows compute their first `n` rows as one block, as a
+    prefill does, and the others each as a one-token decode step would (attention and, where
+    `exact_linear` is installed, the linear layers)."""
+    token = _block_rows.set((n, total))
     try:
         yield
     finally:
         _block_rows.reset(token)
 
 
+def current_rows() -> tuple[int, int] | None:
+    """(block rows, all rows) of the forward running now, or None outside `block_rows`."""
+    return _block_rows.get()
+
+
 def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
     """query (b, heads, q, d), key/value (b, kv_heads, kv, d) -> ((b, q, heads, d), None)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    block = _block_rows.get()
+    block = (_block_rows.get() or (None,))[0]
     if q_len == 1 or block is None or (block >= q_len and block == kv_len):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv_len - q_len

@@ -255,6 +255,7 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
     """Load (model, tokenizer) for a preset or local directory, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from . import exact_linear
     from .exact_attention import NAME as EXACT_ATTENTION
 
     if isinstance(dtype, str):
@@ -269,6 +270,8 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
                                                  attn_implementation=EXACT_ATTENTION if exact_attention else None)
     if device:
         model = model.to(device)
+    if exact_attention:  # and exact linear layers, the other half of one-token rounding
+        exact_linear.install(model)
     model.eval()
     model.name_or_preset = str(name_or_path)
     return model, tok

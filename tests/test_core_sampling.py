@@ -283,12 +283,14 @@ def small():
 
 
 def exact_two_tokens(model, sampling: Sampling) -> torch.Tensor:
-    """P(t1, t2 | PROMPT) by enumeration: one forward for t1, a batch of V forwards for t2."""
+    """P(t2, t3 | PROMPT), summed over the first token t1, by enumeration: the first draft is
+    verified after the first token (the prefill has none). (V, V) float64."""
     with torch.inference_mode():
         p1 = hf_probs(model(torch.tensor([PROMPT])).logits[0, -1:], sampling)[0]
-        batch = torch.tensor([PROMPT + [t] for t in range(V)])
-        p2 = hf_probs(model(batch).logits[:, -1], sampling)
-    return (p1[:, None] * p2).double()
+        p2 = hf_probs(model(torch.tensor([PROMPT + [t] for t in range(V)])).logits[:, -1], sampling)
+        batch = torch.tensor([PROMPT + [t1, t2] for t1 in range(V) for t2 in range(V)])
+        p3 = hf_probs(model(batch).logits[:, -1], sampling).reshape(V, V, V)
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0).double()
 
 
 class FixedDrafter(Drafter):
@@ -296,19 +298,19 @@ class FixedDrafter(Drafter):
         self.draft = draft
 
     def propose(self, tokens, max_depth):
-        # The same draft at the first step (prefill); no draft after it, as only two tokens are scored.
-        return self.draft if len(tokens) == len(PROMPT) else None
+        # The same draft at the first step after the prefill; none after it, as only t2, t3 are scored.
+        return self.draft if len(tokens) == len(PROMPT) + 1 else None
 
 
 def run_many(model, drafter_factory, sampling: Sampling, n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     pairs, accepted = [], []
     for _ in range(n):
-        # three tokens, so that the first step may accept a draft two deep (room - 1 = 2)
-        out = generate(model, PROMPT, drafter_factory(), max_new_tokens=3, sampling=sampling, generator=g,
+        # four tokens, so that the first step after the prefill may accept a draft two deep
+        out = generate(model, PROMPT, drafter_factory(), max_new_tokens=4, sampling=sampling, generator=g,
                        eos_token_id=[])
-        pairs.append((out.tokens[0], out.tokens[1]))
-        accepted.append(out.stats.accepted[0])
+        pairs.append((out.tokens[1], out.tokens[2]))
+        accepted.append(out.stats.accepted[1])
     return empirical(pairs), accepted
 
 

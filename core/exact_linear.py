@@ -1,0 +1,102 @@
+"""Linear layers that round every draft row exactly as one-token decoding does (bf16 on CPU).
+
+The companion of exact_attention.py. A bf16 matmul rounds the last bit of some outputs according to
+the number of rows in the call: a k-row verify call may round otherwise than a decode step's
+one-row call, and so may a prefill's rows when draft rows follow them in the same call. Those last
+bits drift into the KV cache and flip an exact tie of the logits now and then (measured on
+Qwen2.5-0.5B: 4 of 100 JFLEG corrections diverged from greedy). So within `block_rows(n, total)`
+the n block rows (a prefill) run as one call of their own, as `generate()`'s prefill does, and the
+other rows in a form that rounds each row as a one-row call does. Found by experiment on torch
+2.13's kernel (oneDNN, AMX), on every linear layer of Qwen2.5-0.5B with 400 rows of real
+activations, all row counts 1..33:
+
+- most layers: a plain call of up to COLUMNS rows already does (at 33 rows and more, not always);
+- the down projection (a 4864-wide input): no plain call of 2 rows or more does, nor `weight @ x.T`
+  of fewer than 33 columns, but `weight @ x.T` of exactly PAD_COLUMNS columns (zero-padded) does.
+
+The form is chosen per weight shape by a check on this machine's kernel (`_form`) and tested;
+where no form passes, rows run one per call (exact, slow). Outside `block_rows` (one-token steps,
+HF's own generate()) the layers are plain `F.linear`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .exact_attention import current_rows
+
+COLUMNS = 32
+PAD_COLUMNS = 33
+
+
+class ExactLinear(torch.nn.Linear):
+    """`nn.Linear` whose rows round as in plain decoding under `block_rows` (bf16 weights only)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (1, rows, in) -> (1, rows, out); any other input is a plain `F.linear`."""
+        rows = current_rows()
+        if rows is None or self.weight.dtype != torch.bfloat16 or x.dim() != 3 or x.shape[0] != 1 or x.shape[1] == 1:
+            return F.linear(x, self.weight, self.bias)
+        block, total = rows
+        block -= total - x.shape[1]  # the lm_head sees only the last rows (logits_to_keep)
+        if block <= 1:  # a lone root token is a decode step like the draft rows
+            return one_row_rounding(x[0], self.weight, self.bias)[None]
+        return torch.cat([F.linear(x[:, :block], self.weight, self.bias),
+                          one_row_rounding(x[0, block:], self.weight, self.bias)[None]], dim=1)
+
+
+def install(model: torch.nn.Module) -> int:
+    """Turn the `nn.Linear` layers of `model` into `ExactLinear` (same weights); returns how many."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    for module in linears:
+        module.__class__ = ExactLinear
+    return len(linears)
+
+
+def one_row_rounding(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (m, in) -> (m, out): `F.linear` of each row alone, bit for bit, in as few calls as the
+    kernel allows (`_form`)."""
+    form = _form(*weight.shape, bias is not None)
+    if form == "rows":
+        return torch.cat([F.linear(x[i: i + 1], weight, bias) for i in range(x.shape[0])])
+    return _in_calls(x, weight, bias, form)
+
+
+def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
+    """"plain": `F.linear` in calls of at most COLUMNS rows; "columns": `weight @ x.T` in calls of at
+    most COLUMNS columns; "padded": `weight @ x.T` in calls of exactly PAD_COLUMNS (zero-padded)."""
+    m = x.shape[0]
+    if form == "plain":
+        calls = [F.linear(rows, weight, bias) for rows in x.split(COLUMNS)]
+        return calls[0] if len(calls) == 1 else torch.cat(calls)
+    if form == "padded" and m % PAD_COLUMNS:
+        x = torch.cat([x, x.new_zeros(PAD_COLUMNS - m % PAD_COLUMNS, x.shape[1])])
+    calls = []
+    for cols in x.split(PAD_COLUMNS if form == "padded" else COLUMNS):
+        if bias is None:
+            calls.append(weight @ cols.T)
+        else:
+            calls.append(torch.addmm(bias[:, None].expand(-1, cols.shape[0]), weight, cols.T))
+    return (calls[0] if len(calls) == 1 else torch.cat(calls, dim=1)).T[:m]
+
+
+@functools.cache
+def _form(out_features: int, in_features: int, bias: bool) -> str:
+    """The cheapest way for `one_row_rounding` to round as one-row calls on this machine's kernel,
+    for this weight shape: "plain", "padded", "columns" (see `_in_calls`) or, failing all, "rows".
+    Checked once on random rows (tens of ms); a wide output (an lm_head) is checked on its first
+    8192 features, which the kernel blocks alike."""
+    gen = torch.Generator().manual_seed(0)
+    out_features = min(out_features, 8192)
+    weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    x = torch.randn(2 * PAD_COLUMNS, in_features, generator=gen).bfloat16()
+    alone = torch.cat([F.linear(x[i: i + 1], weight, b) for i in range(x.shape[0])])
+    for form in ("plain", "padded", "columns"):
+        # row counts at which some forms were seen to round otherwise (see the module docstring)
+        if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (2, 9, 17, 32, 2 * PAD_COLUMNS)):
+            return form
+    return "rows"
