@@ -251,8 +251,9 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
 
 
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype | None = None,
-               device: str | None = None, exact_attention: bool = True):
-    """Load (model, tokenizer) for a preset or local directory, in eval mode."""
+               device: str | None = None, exact: bool = True):
+    """Load (model, tokenizer) for a preset or local directory, in eval mode. exact: with the
+    attention and linear layers that make verification round as one-token decoding does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import exact_linear
@@ -264,13 +265,14 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
         dtype = DTYPES[dtype]
     path = resolve_model_path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
-    # Exact attention makes multi-token verification round like one-token decoding (see
-    # exact_attention.py); for one-token forwards and for HF's own generate() it is plain sdpa.
+    # Exact attention and linear layers make multi-token verification round like one-token decoding
+    # (exact_attention.py, exact_linear.py); for one-token forwards and for HF's own generate()
+    # they are plain sdpa and F.linear.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(),
-                                                 attn_implementation=EXACT_ATTENTION if exact_attention else None)
+                                                 attn_implementation=EXACT_ATTENTION if exact else None)
     if device:
         model = model.to(device)
-    if exact_attention:  # and exact linear layers, the other half of one-token rounding
+    if exact:
         exact_linear.install(model)
     model.eval()
     model.name_or_preset = str(name_or_path)

@@ -30,11 +30,9 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_fp32():
-    """smollm2-135m in fp32, for token-for-token exactness against HF greedy on real text.
-
-    In bf16 on CPU a multi-row forward's MLP matmuls round differently from one-row forwards, and
-    on this small model the differences (up to ~0.4 in the logits) flip near-ties now and then;
-    fp32 leaves them at ~1e-5. bf16 exactness is measured on qwen2.5-0.5b by `specsuite bench`."""
+    """smollm2-135m in fp32, for token-for-token exactness against HF greedy on real text, on any
+    CPU. (bf16 exactness rests on kernel rounding rules checked at run time, see exact_linear.py:
+    it is tested in test_core_real_model.py and measured on qwen2.5-0.5b by `specsuite bench`.)"""
     from specsuite.core.models import ProvisioningError, load_model
 
     try:

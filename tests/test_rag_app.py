@@ -2,7 +2,7 @@
 a small index, citations and copied spans, the bench task and the CLI.
 
 Model tests use the smollm2-135m preset and short answers; exactness tests run it in fp32
-(`smollm2_fp32`, see conftest: in bf16 on CPU near-ties of the logits can flip)."""
+(`smollm2_fp32`, see conftest)."""
 
 from __future__ import annotations
 
