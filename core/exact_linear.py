@@ -33,16 +33,20 @@ PAD_COLUMNS = 33
 
 
 class ExactLinear(torch.nn.Linear):
-    """`nn.Linear` whose rows round as in plain decoding under `block_rows` (bf16 weights only)."""
+    """`nn.Linear` whose rows round as in plain decoding under `block_rows` (bf16 weights on the
+    CPU only: the rules are the CPU kernel's)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (1, rows, in) -> (1, rows, out); any other input is a plain `F.linear`."""
         rows = current_rows()
-        if rows is None or self.weight.dtype != torch.bfloat16 or x.dim() != 3 or x.shape[0] != 1 or x.shape[1] == 1:
+        if (rows is None or self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu"
+                or x.dim() != 3 or x.shape[0] != 1 or x.shape[1] == 1):
             return F.linear(x, self.weight, self.bias)
         block, total = rows
         block -= total - x.shape[1]  # the lm_head sees only the last rows (logits_to_keep)
         if block <= 1:  # a lone root token is a decode step like the draft rows
+            if x.shape[1] <= COLUMNS and _form(*self.weight.shape, self.bias is not None) == "plain":
+                return F.linear(x, self.weight, self.bias)  # the common case, without the reshaping
             return one_row_rounding(x[0], self.weight, self.bias)[None]
         return torch.cat([F.linear(x[:, :block], self.weight, self.bias),
                           one_row_rounding(x[0, block:], self.weight, self.bias)[None]], dim=1)
