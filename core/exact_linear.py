@@ -44,6 +44,8 @@ class ExactLinear(torch.nn.Linear):
             return F.linear(x, self.weight, self.bias)
         block, total = rows
         block -= total - x.shape[1]  # the lm_head sees only the last rows (logits_to_keep)
+        if block >= x.shape[1]:  # a prefill without draft rows
+            return F.linear(x, self.weight, self.bias)
         if block <= 1:  # a lone root token is a decode step like the draft rows
             if x.shape[1] <= COLUMNS and _form(*self.weight.shape, self.bias is not None) == "plain":
                 return F.linear(x, self.weight, self.bias)  # the common case, without the reshaping
