@@ -53,7 +53,8 @@ def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                     attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
     """query (b, heads, q, d), key/value (b, kv_heads, kv, d) -> ((b, q, heads, d), None)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    block = (_block_rows.get() or (None,))[0]
+    rows = current_rows()
+    block = rows[0] if rows else None
     if q_len == 1 or block is None or (block >= q_len and block == kv_len):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv_len - q_len

@@ -10,7 +10,7 @@ other rows in a form that rounds each row as a one-row call does. Found by exper
 2.13's kernel (oneDNN, AMX), on every linear layer of Qwen2.5-0.5B with 400 rows of real
 activations, all row counts 1..33:
 
-- most layers: a plain call of up to COLUMNS rows already does (at 33 rows and more, not always);
+- most layers: a plain call of up to PLAIN_ROWS rows already does (at 33 rows and more, not always);
 - the down projection (a 4864-wide input): no plain call of 2 rows or more does, nor `weight @ x.T`
   of fewer than 33 columns, but `weight @ x.T` of exactly PAD_COLUMNS columns (zero-padded) does.
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .exact_attention import current_rows
 
-COLUMNS = 32
+PLAIN_ROWS = 32
 PAD_COLUMNS = 33
 
 
@@ -47,8 +47,6 @@ class ExactLinear(torch.nn.Linear):
         if block >= x.shape[1]:  # a prefill without draft rows
             return F.linear(x, self.weight, self.bias)
         if block <= 1:  # a lone root token is a decode step like the draft rows
-            if x.shape[1] <= COLUMNS and _form(*self.weight.shape, self.bias is not None) == "plain":
-                return F.linear(x, self.weight, self.bias)  # the common case, without the reshaping
             return one_row_rounding(x[0], self.weight, self.bias)[None]
         return torch.cat([F.linear(x[:, :block], self.weight, self.bias),
                           one_row_rounding(x[0, block:], self.weight, self.bias)[None]], dim=1)
@@ -72,16 +70,16 @@ def one_row_rounding(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
-    """"plain": `F.linear` in calls of at most COLUMNS rows; "columns": `weight @ x.T` in calls of at
-    most COLUMNS columns; "padded": `weight @ x.T` in calls of exactly PAD_COLUMNS (zero-padded)."""
+    """"plain": `F.linear` in calls of at most PLAIN_ROWS rows; "padded": `weight @ x.T` in calls of
+    exactly PAD_COLUMNS columns (zero-padded)."""
     m = x.shape[0]
     if form == "plain":
-        calls = [F.linear(rows, weight, bias) for rows in x.split(COLUMNS)]
+        calls = [F.linear(rows, weight, bias) for rows in x.split(PLAIN_ROWS)]
         return calls[0] if len(calls) == 1 else torch.cat(calls)
-    if form == "padded" and m % PAD_COLUMNS:
+    if m % PAD_COLUMNS:
         x = torch.cat([x, x.new_zeros(PAD_COLUMNS - m % PAD_COLUMNS, x.shape[1])])
     calls = []
-    for cols in x.split(PAD_COLUMNS if form == "padded" else COLUMNS):
+    for cols in x.split(PAD_COLUMNS):
         if bias is None:
             calls.append(weight @ cols.T)
         else:
@@ -92,7 +90,7 @@ def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 @functools.cache
 def _form(out_features: int, in_features: int, bias: bool) -> str:
     """The cheapest way for `one_row_rounding` to round as one-row calls on this machine's kernel,
-    for this weight shape: "plain", "padded", "columns" (see `_in_calls`) or, failing all, "rows".
+    for this weight shape: "plain", "padded" (see `_in_calls`) or, failing both, "rows".
     Checked once on random rows (tens of ms); a wide output (an lm_head) is checked on its first
     8192 features, which the kernel blocks alike."""
     gen = torch.Generator().manual_seed(0)
@@ -101,7 +99,7 @@ def _form(out_features: int, in_features: int, bias: bool) -> str:
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
     x = torch.randn(2 * PAD_COLUMNS, in_features, generator=gen).bfloat16()
     alone = torch.cat([F.linear(x[i: i + 1], weight, b) for i in range(x.shape[0])])
-    for form in ("plain", "padded", "columns"):
+    for form in ("plain", "padded"):
         # row counts at which some forms were seen to round otherwise (see the module docstring)
         if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (2, 9, 17, 32, 2 * PAD_COLUMNS)):
             return form
