@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import types
 
@@ -27,17 +28,18 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specsuite_exact"
 
-# (leading plain rows, all rows) of the current forward: the prompt/fresh tokens, then the draft.
-_block_rows: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("specsuite_block_rows",
-                                                                                      default=None)
+# (leading plain rows, all rows, memo) of the current forward: the prompt/fresh tokens, then the
+# draft; the memo keeps what every layer of the forward would otherwise work out again.
+_block_rows: contextvars.ContextVar[tuple[int, int, dict] | None] = contextvars.ContextVar("specsuite_block_rows",
+                                                                                           default=None)
 
 
 @contextlib.contextmanager
 def block_rows(n: int, total: int):
     """Within this context, forwards of `total` rows compute their first `n` rows as one block, as a
     prefill does, and the others each as a one-token decode step would (attention and, where
-    `exact_linear` is installed, the linear layers)."""
-    token = _block_rows.set((n, total))
+    `exact_linear` is installed, the linear layers). One context per forward."""
+    token = _block_rows.set((n, total, {}))
     try:
         yield
     finally:
@@ -46,7 +48,8 @@ def block_rows(n: int, total: int):
 
 def current_rows() -> tuple[int, int] | None:
     """(block rows, all rows) of the forward running now, or None outside `block_rows`."""
-    return _block_rows.get()
+    rows = _block_rows.get()
+    return rows[:2] if rows else None
 
 
 def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,27 +66,41 @@ def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         out.append(_prefill_block(module, query[:, :, :block], key, value, past, kwargs))
     else:
         block = 0  # a lone root token is a decode step: a row like the draft rows below
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask == 0  # additive float mask: 0 where visible
-    rows = list(range(block, q_len))
-    visible = _visible(attention_mask, rows, past)
-    lengths = [v if isinstance(v, int) else len(v) for v in visible]
+    # The row calls are the same in every layer of this forward: planned once.
+    memo = _block_rows.get()[2]
+    plan_key = ("row calls", q_len, kv_len, block, None if attention_mask is None else attention_mask.data_ptr())
+    calls = memo.get(plan_key)
+    if calls is None:
+        grouped = query.dtype == torch.bfloat16 and _grouping_is_exact(query.shape[1], key.shape[1], query.shape[3])
+        calls = memo[plan_key] = _row_calls(attention_mask, block, q_len, past, grouped)
     gqa = getattr(module, "num_key_value_groups", 1) > 1
-    if query.dtype == torch.bfloat16 and _grouping_is_exact(query.shape[1], key.shape[1], query.shape[3]):
-        # prefix rows and gathered rows grouped apart
+    draft_out = query.new_empty(query.shape[0], q_len - block, query.shape[1], query.shape[3])
+    for call in calls:
+        draft_out[:, call.out_rows] = _run_call(query[:, :, call.query_rows], key, value, call, kwargs.get("scaling"), gqa)
+    if q_len > block:
+        out.append(draft_out)
+    return torch.cat(out, dim=1).contiguous(), None
+
+
+def _row_calls(mask: torch.Tensor | None, block: int, q_len: int, past: int, grouped: bool) -> list[RowCall]:
+    """The one-row calls (batched where `grouped`, see `_groups`) of query rows block..q_len."""
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask == 0  # additive float mask: 0 where visible
+    rows = list(range(block, q_len))
+    visible = _visible(mask, rows, past)
+    lengths = [v if isinstance(v, int) else len(v) for v in visible]
+    if grouped:  # prefix rows and gathered rows grouped apart
         prefix = [i for i, v in enumerate(visible) if isinstance(v, int)]
         gathered = [i for i, v in enumerate(visible) if not isinstance(v, int)]
         groups = [[part[j] for j in group] for part in (prefix, gathered)
                   for group in _groups([lengths[i] for i in part])]
     else:
         groups = [[i] for i in range(len(rows))]
-    draft_out = query.new_empty(query.shape[0], len(rows), query.shape[1], query.shape[3])
-    for group in groups:
-        draft_out[:, group] = _one_row_calls(query[:, :, [rows[i] for i in group]], key, value,
-                                             [visible[i] for i in group], kwargs.get("scaling"), gqa)
-    if rows:
-        out.append(draft_out)
-    return torch.cat(out, dim=1).contiguous(), None
+    kv_len = past + q_len
+    calls = [call for group in groups for call in _plan_call(group, [visible[i] for i in group], kv_len)]
+    for call in calls:
+        call.out_rows, call.query_rows = torch.tensor(call.rows), torch.tensor([block + i for i in call.rows])
+    return calls
 
 
 # A block after a reused prefix runs with at least this many query rows (see `_prefill_block`).
@@ -192,36 +209,66 @@ def _grouping_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
     return True
 
 
-def _one_row_calls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   visible: list[int | torch.Tensor], scaling: float | None, gqa: bool) -> torch.Tensor:
-    """The decode-step attention of g rows, as one call with the rows in the batch dimension.
+@dataclasses.dataclass
+class RowCall:
+    """One kernel call for g query rows, each as its own one-row decode step (in the batch dimension).
 
-    query (1, heads, g, d), key/value (1, kv_heads, kv, d); visible[i]: the key indices row i sees,
-    or their count for a prefix of the keys. Returns (1, g, heads, d). For one row this is the very
-    call a one-token decode step makes in HF's sdpa_attention_forward (GQA in the kernel), made
-    directly: the wrapper's checks cost more than the kernel here."""
-    g = query.shape[2]
+    rows: the rows' indices (among the rows planned together); width: keys per row, padded;
+    index: (g, width) the key indices of each row, or None where they are a prefix of the cache;
+    mask: (g, 1, 1, width) bool, the padding masked out, or None."""
+
+    rows: list[int]
+    width: int
+    index: torch.Tensor | None
+    mask: torch.Tensor | None
+    out_rows: torch.Tensor | None = None  # `rows` as a tensor, and the same rows in the forward's
+    query_rows: torch.Tensor | None = None  # query (set by `_row_calls`)
+
+
+def _plan_call(rows: list[int], visible: list[int | torch.Tensor], kv_len: int) -> list[RowCall]:
+    """The call(s) for rows that may share one (`_groups`); visible[i]: the key indices row i sees,
+    or their count for a prefix of the keys."""
+    g = len(rows)
     lengths = [v if isinstance(v, int) else len(v) for v in visible]
     width = max(lengths)
     if g > 1 and width % 2 == 0:
         width += 1  # an odd padded length (see _groups)
     prefixes = all(isinstance(v, int) for v in visible)
-    if prefixes and width > key.shape[2]:  # no key to pad with: the longest row goes alone
-        return torch.cat([_one_row_calls(query[:, :, :-1], key, value, visible[:-1], scaling, gqa),
-                          _one_row_calls(query[:, :, -1:], key, value, visible[-1:], scaling, gqa)], dim=1)
-    if prefixes:  # prefixes of the cache: no copy
-        k, v = key[:, :, :width].expand(g, -1, -1, -1), value[:, :, :width].expand(g, -1, -1, -1)
-    else:  # gather each row's keys, in order, padded with key 0 (masked out)
+    if prefixes and width > kv_len:  # no key to pad with: the longest row goes alone
+        return _plan_call(rows[:-1], visible[:-1], kv_len) + _plan_call(rows[-1:], visible[-1:], kv_len)
+    index = None
+    if not prefixes:  # gather each row's keys, in order, padded with key 0 (masked out)
         index = torch.zeros(g, width, dtype=torch.long)
         for i, vis in enumerate(visible):
             index[i, : lengths[i]] = torch.arange(vis) if isinstance(vis, int) else vis
-        k, v = key[0][:, index].transpose(0, 1), value[0][:, index].transpose(0, 1)
     mask = None
     if min(lengths) < width:
         mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    return [RowCall(rows, width, index, mask)]
+
+
+def _run_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: RowCall,
+              scaling: float | None, gqa: bool) -> torch.Tensor:
+    """query (1, heads, g, d), key/value (1, kv_heads, kv, d) -> (1, g, heads, d). For one row this
+    is the very call a one-token decode step makes in HF's sdpa_attention_forward (GQA in the
+    kernel), made directly: the wrapper's checks cost more than the kernel here."""
+    g = query.shape[2]
+    if call.index is None:  # prefixes of the cache: no copy
+        k = key[:, :, : call.width].expand(g, -1, -1, -1)
+        v = value[:, :, : call.width].expand(g, -1, -1, -1)
+    else:
+        k, v = key[0][:, call.index].transpose(0, 1), value[0][:, call.index].transpose(0, 1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query[0].transpose(0, 1).unsqueeze(2), k, v, attn_mask=mask, dropout_p=0.0, scale=scaling, enable_gqa=gqa)
+        query[0].transpose(0, 1).unsqueeze(2), k, v, attn_mask=call.mask, dropout_p=0.0, scale=scaling, enable_gqa=gqa)
     return out[:, :, 0].unsqueeze(0)  # (g, heads, 1, d) -> (1, g, heads, d)
+
+
+def _one_row_calls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   visible: list[int | torch.Tensor], scaling: float | None, gqa: bool) -> torch.Tensor:
+    """The decode-step attention of g rows that may share a call (`_groups`): query (1, heads, g, d),
+    visible[i] as in `_plan_call` -> (1, g, heads, d)."""
+    calls = _plan_call(list(range(len(visible))), visible, key.shape[2])
+    return torch.cat([_run_call(query[:, :, call.rows], key, value, call, scaling, gqa) for call in calls], dim=1)
 
 
 AttentionInterface.register(NAME, exact_attention)

@@ -74,6 +74,8 @@ def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     exactly PAD_COLUMNS columns (zero-padded)."""
     m = x.shape[0]
     if form == "plain":
+        if m <= PLAIN_ROWS:
+            return F.linear(x, weight, bias)
         calls = [F.linear(rows, weight, bias) for rows in x.split(PLAIN_ROWS)]
         return calls[0] if len(calls) == 1 else torch.cat(calls)
     if m % PAD_COLUMNS:

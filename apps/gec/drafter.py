@@ -4,8 +4,11 @@ A pointer tracks which source token the output should copy next. While the outpu
 draft is the rest of the source (to the end of the sentence, then the end-of-turn token). After an
 edit the pointer is re-anchored: on the next few source tokens if the new token is there (a
 deletion), else on a unique 1-3-gram of the output in the source; failing both, a token tree
-verifies the alignment hypotheses "substitution" (skip one source token) and "insertion" (stay) in
-the same forward pass.
+verifies three alignment hypotheses in the same forward pass: "substitution" (skip one source
+token), "insertion" (stay) and "word replaced" (skip to the next source word, which covers a
+misspelt word of several tokens written back as one, e.g. " know|led|ges" -> " knowledge"; else
+skip two tokens). A punctuation mark is most often inserted, so after one the insertion branch
+goes first and gets the longest draft.
 """
 
 from __future__ import annotations
@@ -33,6 +36,17 @@ def as_written(text: str) -> str:
     return text
 
 
+def punctuation_tokens(tokenizer, marks: str = ",.;:!?") -> set[int]:
+    """The ids of the tokens that are one punctuation mark, with or without a leading space."""
+    ids = set()
+    for mark in marks:
+        for text in (mark, " " + mark):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(piece) == 1:
+                ids.add(piece[0])
+    return ids
+
+
 class CopyDrafter(Drafter):
     """Drafts continuations of the output by copying `source` (token ids of the text to correct).
 
@@ -40,17 +54,30 @@ class CopyDrafter(Drafter):
         also verifies the end of the answer.
     sentence_ends: source token indices after which a sentence ends; a draft stops there (plus
         `overrun` tokens) so that a long text is not drafted to its end at every step.
+    word_starts: source token indices that begin a word (None: every token does).
     branches: alignment hypotheses verified at once after an unanchored edit (1 = a chain only).
+    branch_tokens: draft length of each hypothesis, likeliest first.
     """
 
     name = "copy"
 
     def __init__(self, source: list[int], end_tokens: list[int] = (), sentence_ends: list[int] = (),
-                 max_tokens: int = 64, branches: int = 3, branch_tokens: int = 8, window: int = 4,
-                 overrun: int = 4) -> None:
+                 max_tokens: int = 64, branches: int = 3, branch_tokens: tuple[int, ...] = (12, 8, 8),
+                 window: int = 4, overrun: int = 4, word_starts: list[int] | None = None,
+                 punctuation: set[int] = frozenset()) -> None:
+        if len(branch_tokens) < branches:
+            raise ValueError(f"branch_tokens needs a length for each of the {branches} branches")
         self.target = list(source) + list(end_tokens)
         # The last sentence runs on into the end tokens.
         self.sentence_ends = sorted({e for e in sentence_ends if e < len(source)} | {len(self.target)})
+        n = len(self.target)
+        starts = sorted({s for s in (range(n) if word_starts is None else word_starts) if s < len(source)}
+                        | {len(source), n})  # the end tokens are words of their own
+        # next_word[p]: the first word start after source index p
+        self.next_word = [n] * (n + 1)
+        for a, b in zip([0] + starts, starts):
+            self.next_word[a:b] = [b] * (b - a)
+        self.punctuation = set(punctuation)
         self.branches, self.branch_tokens, self.window, self.overrun = branches, branch_tokens, window, overrun
         self.length = AdaptiveLength(max_tokens, 4, max_tokens, grow=max_tokens, keep_on_partial=True)
         # Source n-grams (n = 1..3) -> every position just past an occurrence, for re-anchoring.
@@ -65,8 +92,11 @@ class CopyDrafter(Drafter):
     def for_text(cls, tokenizer, text: str, end_tokens: list[int] = (), **kwargs) -> "CopyDrafter":
         """Tokenize `text` as the answer would be and mark its sentence ends."""
         ids = tokenizer(as_written(text), add_special_tokens=False)["input_ids"]
-        ends = [i + 1 for i, t in enumerate(ids) if tokenizer.decode([t]).rstrip(" \"')").endswith(SENTENCE_END_CHARS)]
-        return cls(ids, end_tokens, ends, **kwargs)
+        pieces = [tokenizer.decode([t]) for t in ids]
+        ends = [i + 1 for i, p in enumerate(pieces) if p.rstrip(" \"')").endswith(SENTENCE_END_CHARS)]
+        # A token that does not go on a word (a leading space, punctuation) starts one.
+        words = [i for i, p in enumerate(pieces) if i == 0 or not p[:1].isalnum()]
+        return cls(ids, end_tokens, ends, word_starts=words, punctuation=punctuation_tokens(tokenizer), **kwargs)
 
     def reset(self, prompt: list[int], sampling=None) -> None:
         self.prompt_len = len(prompt)
@@ -108,9 +138,12 @@ class CopyDrafter(Drafter):
             if self.synced or self.branches == 1:
                 chain = self._chain(self.pos, length)
                 return Draft.chain(chain) if chain else None
-            # Unanchored edit: substitution (skip one source token) or insertion (stay) or a longer skip.
-            starts = [s for s in (self.pos + 1, self.pos, self.pos + 2) if s < len(self.target)][: self.branches]
-            paths = [self._chain(s, min(length, self.branch_tokens)) for s in starts]
+            # Unanchored edit: substitution, insertion or a replaced word (see the module docstring).
+            p = self.pos
+            word = self.next_word[p] if self.next_word[p] > p + 1 else p + 2
+            hypotheses = (p, p + 1, word) if out and out[-1] in self.punctuation else (p + 1, p, word)
+            starts = [s for s in dict.fromkeys(hypotheses) if s < len(self.target)][: self.branches]
+            paths = [self._chain(s, min(length, n)) for s, n in zip(starts, self.branch_tokens)]
             paths = [p for p in paths if p]
             return Draft.from_paths(paths) if paths else None
         # Past the end of the source: the model writes on; look up its own text.
