@@ -555,7 +555,7 @@ def test_linear_rows_round_like_one_row_decode_steps_in_bf16():
     for out_f, in_f, bias in QWEN_LINEARS:
         weight = (torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5).bfloat16()
         b = torch.randn(out_f, generator=gen).bfloat16() if bias else None
-        for m in (2, 9, 17, 32, 33, 40, 70):
+        for m in (2, 9, 17, 32, 33, 40, 70, 128, 161):
             x = (torch.randn(m, in_f, generator=gen) * 2).bfloat16()
             alone = torch.cat([torch.nn.functional.linear(x[i: i + 1], weight, b) for i in range(m)])
             assert torch.equal(exact_linear.one_row_rounding(x, weight, b), alone), (out_f, in_f, m)

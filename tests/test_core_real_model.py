@@ -165,7 +165,7 @@ def test_prefix_cache_reuses_the_prompt_and_keeps_the_output(smollm2_fp32):
 
 
 def test_exact_linear_rounds_real_activations_as_one_row_calls_in_bf16(smollm2_fp32):
-    """Every linear layer's inputs on a real text (a hook), 1..40 rows at a time: `one_row_rounding`
+    """Every linear layer's inputs on a real text (a hook), 1..70 rows at a time: `one_row_rounding`
     gives each row bit for bit as its own one-row call, the call of a decode step."""
     from specsuite.core.exact_linear import one_row_rounding
 
@@ -177,9 +177,11 @@ def test_exact_linear_rounds_real_activations_as_one_row_calls_in_bf16(smollm2_f
         inputs.setdefault(mod, args[0].reshape(-1, args[0].shape[-1]))
 
     hooks = [m.register_forward_pre_hook(keep) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    ids = tok("Alice was beginning to get very tired of sitting by her sister on the bank, and of having "
-              "nothing to do: once or twice she had peeped into the book her sister was reading.",
-              return_tensors="pt").input_ids[:, :40]
+    text = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of having "
+            "nothing to do: once or twice she had peeped into the book her sister was reading, but it had "
+            "no pictures or conversations in it, 'and what is the use of a book,' thought Alice, 'without "
+            "pictures or conversations?' So she was considering in her own mind.")
+    ids = tok(text, return_tensors="pt").input_ids[:, :70]
     with torch.inference_mode():
         model(ids, logits_to_keep=ids.shape[1])
     for h in hooks:
@@ -189,5 +191,5 @@ def test_exact_linear_rounds_real_activations_as_one_row_calls_in_bf16(smollm2_f
         for layer, x in inputs.items():
             alone = torch.cat([torch.nn.functional.linear(x[i: i + 1], layer.weight, layer.bias)
                                for i in range(len(x))])
-            for m in (1, 2, 7, 20, len(x)):
+            for m in (1, 2, 7, 20, 33, 50, len(x)):
                 assert torch.equal(one_row_rounding(x[:m], layer.weight, layer.bias), alone[:m]), (layer, m)
