@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
+from . import decoder_forward
 from .draft import Draft, Drafter, NoDrafter
 from .exact_attention import NAME as EXACT_ATTENTION, block_rows
 from .verify import Sampling, top_two, tree_attention_mask, verify_greedy, verify_sample, warp
@@ -136,17 +137,21 @@ def _forward(model, fresh: list[int], cache: DynamicCache, past: int, draft: Dra
     Returns (1 + len(draft), vocab) logits: row 0 for the last fresh token (the root), then one per node."""
     n = len(draft) if draft else 0
     ids = torch.tensor([fresh + (draft.tokens if draft else [])], device=model.device)
-    extra = {}
-    if draft is not None and not draft.is_chain:  # a chain needs no mask: plain causal attention
+    positions, mask = None, None  # a chain needs no mask: plain causal attention
+    if draft is not None and not draft.is_chain:
         root = past + len(fresh) - 1
-        extra["position_ids"] = torch.tensor([list(range(past, root + 1)) + [root + d for d in draft.depths]],
-                                             device=model.device)
+        positions = torch.tensor([list(range(past, root + 1)) + [root + d for d in draft.depths]],
+                                 device=model.device)
         mask = tree_attention_mask(draft, past, len(fresh) - 1, model.device)
         if model.config._attn_implementation == "eager":
             mask = torch.zeros(mask.shape, dtype=model.dtype, device=model.device).masked_fill(
                 ~mask, torch.finfo(model.dtype).min)
-        extra["attention_mask"] = mask
     with block_rows(len(fresh), len(fresh) + n):
+        if decoder_forward.supports(model):
+            if positions is None:
+                positions = torch.arange(past, past + ids.shape[1], device=model.device)[None]
+            return decoder_forward.forward(model, ids, cache, positions, mask, n + 1)
+        extra = {} if mask is None else {"position_ids": positions, "attention_mask": mask}
         return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
 
 

@@ -12,10 +12,10 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
 
 from specsuite.core import Draft, DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter, generate
-from specsuite.core import exact_linear
+from specsuite.core import decoder_forward, exact_linear
 from specsuite.core.exact_attention import NAME as EXACT, block_rows
 from specsuite.core.verify import tree_attention_mask, verify_greedy
 
@@ -610,3 +610,32 @@ def test_top_two_equals_argmax_and_topk_with_ties(dtype, vocab):
         ref = logits.float().topk(2, dim=-1).values
         assert torch.equal(best, logits.argmax(-1)), trial
         assert torch.equal(first, ref[:, 0]) and torch.equal(second, ref[:, 1]), trial
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("attn", [EXACT, "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_forward_equals_the_models_own_forward(kind, attn, dtype, monkeypatch):
+    """`decoder_forward` runs the model's modules without transformers' per-call machinery: the
+    logits and the cached keys and values must be bit for bit those of `model(...)`, at a prefill, a
+    decode step, a chain of draft rows, a token tree and a block of fresh tokens with a draft."""
+    model = tiny_model(kind, attn).to(dtype)
+    assert decoder_forward.supports(model)
+    steps = [(list(range(10, 40)), None), ([41], None), ([42], Draft.chain([43, 44, 45])),
+             ([46], Draft.from_paths([[5, 6, 7], [8, 9], [5, 3]])), ([47, 48, 49], Draft.chain([50, 51]))]
+    caches = {}
+    for lean in (True, False):
+        monkeypatch.setattr(decoder_forward, "supports", lambda m, lean=lean: lean)
+        cache, logits = DynamicCache(config=model.config), []
+        with torch.inference_mode():
+            for fresh, draft in steps:
+                logits.append(gen_mod._forward(model, fresh, cache, cache.get_seq_length(), draft))
+        caches[lean] = (cache, logits)
+    for ours, theirs in zip(caches[True][1], caches[False][1]):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(caches[True][0].layers, caches[False][0].layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_decoder_forward_leaves_eager_attention_to_the_model():
+    assert not decoder_forward.supports(tiny_model("llama", "eager"))
