@@ -12,11 +12,9 @@ activations, all row counts 1..33:
 
 - most layers: a plain call of up to PLAIN_ROWS rows already does (at 33 rows and more, not always);
 - the down projection (a 4864-wide input): no plain call of 2 rows or more does, nor `weight @ x.T`
-  of fewer than 33 columns;
-- every layer: `weight @ x.T` of PAD_COLUMNS to MAX_COLUMNS columns does (rows zero-padded to at
-  least PAD_COLUMNS; checked on random rows of every Qwen2.5-0.5B shape, 33..128 columns; from 129
-  on, some shapes round otherwise). So the down projection runs that way, and so do more than
-  PLAIN_ROWS rows of the other layers: one call, where plain calls would read the weights twice.
+  of fewer than 33 columns, but `weight @ x.T` of exactly PAD_COLUMNS columns (zero-padded) does.
+  (Wider calls are not safe: at 47 columns the k/v projection, 128x896 with a bias, rounded some
+  rows otherwise on random data, though most widths up to 128 held.)
 
 The form is chosen per weight shape by a check on this machine's kernel (`_form`) and tested;
 where no form passes, rows run one per call (exact, slow). Outside `block_rows` (one-token steps,
@@ -34,7 +32,6 @@ from .exact_attention import current_rows
 
 PLAIN_ROWS = 32
 PAD_COLUMNS = 33
-MAX_COLUMNS = 128
 
 
 class ExactLinear(torch.nn.Linear):
@@ -75,20 +72,23 @@ def one_row_rounding(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
-    """"plain": one `F.linear` call for up to PLAIN_ROWS rows; more rows, and any rows of "padded":
-    `weight @ x.T` in calls of PAD_COLUMNS..MAX_COLUMNS columns (zero-padded)."""
-    if form == "plain" and x.shape[0] <= PLAIN_ROWS:
-        return F.linear(x, weight, bias)
+    """"plain": `F.linear` in calls of at most PLAIN_ROWS rows; "padded": `weight @ x.T` in calls of
+    exactly PAD_COLUMNS columns (zero-padded)."""
+    m = x.shape[0]
+    if form == "plain":
+        if m <= PLAIN_ROWS:
+            return F.linear(x, weight, bias)
+        calls = [F.linear(rows, weight, bias) for rows in x.split(PLAIN_ROWS)]
+        return calls[0] if len(calls) == 1 else torch.cat(calls)
+    if m % PAD_COLUMNS:
+        x = torch.cat([x, x.new_zeros(PAD_COLUMNS - m % PAD_COLUMNS, x.shape[1])])
     calls = []
-    for rows in x.split(MAX_COLUMNS):
-        m = rows.shape[0]
-        cols = rows if m >= PAD_COLUMNS else torch.cat([rows, rows.new_zeros(PAD_COLUMNS - m, rows.shape[1])])
+    for cols in x.split(PAD_COLUMNS):
         if bias is None:
-            out = weight @ cols.T
+            calls.append(weight @ cols.T)
         else:
-            out = torch.addmm(bias[:, None].expand(-1, cols.shape[0]), weight, cols.T)
-        calls.append(out.T[:m])
-    return calls[0] if len(calls) == 1 else torch.cat(calls)
+            calls.append(torch.addmm(bias[:, None].expand(-1, cols.shape[0]), weight, cols.T))
+    return (calls[0] if len(calls) == 1 else torch.cat(calls, dim=1)).T[:m]
 
 
 @functools.cache
@@ -101,11 +101,10 @@ def _form(out_features: int, in_features: int, bias: bool) -> str:
     out_features = min(out_features, 8192)
     weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    x = torch.randn(MAX_COLUMNS + 2, in_features, generator=gen).bfloat16()
+    x = torch.randn(2 * PAD_COLUMNS, in_features, generator=gen).bfloat16()
     alone = torch.cat([F.linear(x[i: i + 1], weight, b) for i in range(x.shape[0])])
     for form in ("plain", "padded"):
         # row counts at which some forms were seen to round otherwise (see the module docstring)
-        if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m])
-               for m in (2, 9, 17, 32, PAD_COLUMNS, 47, 66, MAX_COLUMNS, MAX_COLUMNS + 2)):
+        if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (2, 9, 17, 32, 2 * PAD_COLUMNS)):
             return form
     return "rows"

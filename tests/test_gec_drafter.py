@@ -49,8 +49,8 @@ def test_unanchored_edit_verifies_substitution_insertion_and_replaced_word():
     draft = d.propose(PROMPT + [10, 77], 64)
     assert paths(draft) == [  # the likeliest hypothesis drafted longest (branch_tokens)
         [12, 13, 20, 21, 22, 23, END],  # substitution: 77 replaced 11
-        [11, 12, 13, 20],  # insertion: 77 was added before 11
-        [20, 21, 22, 23],  # word replaced: 77 is the whole word 11 12 13 rewritten
+        [11, 12, 13, 20, 21, 22, 23, END],  # insertion: 77 was added before 11
+        [20, 21, 22, 23, END],  # word replaced: 77 is the whole word 11 12 13 rewritten
     ]
 
 
