@@ -74,9 +74,10 @@ def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         grouped = query.dtype == torch.bfloat16 and _grouping_is_exact(query.shape[1], key.shape[1], query.shape[3])
         calls = memo[plan_key] = _row_calls(attention_mask, block, q_len, past, grouped)
     gqa = getattr(module, "num_key_value_groups", 1) > 1
+    draft_query = query[:, :, block:]
     draft_out = query.new_empty(query.shape[0], q_len - block, query.shape[1], query.shape[3])
     for call in calls:
-        draft_out[:, call.out_rows] = _run_call(query[:, :, call.query_rows], key, value, call, kwargs.get("scaling"), gqa)
+        draft_out[:, call.rows] = _run_call(draft_query[:, :, call.rows], key, value, call, kwargs.get("scaling"), gqa)
     if q_len > block:
         out.append(draft_out)
     return torch.cat(out, dim=1).contiguous(), None
@@ -96,11 +97,7 @@ def _row_calls(mask: torch.Tensor | None, block: int, q_len: int, past: int, gro
                   for group in _groups([lengths[i] for i in part])]
     else:
         groups = [[i] for i in range(len(rows))]
-    kv_len = past + q_len
-    calls = [call for group in groups for call in _plan_call(group, [visible[i] for i in group], kv_len)]
-    for call in calls:
-        call.out_rows, call.query_rows = torch.tensor(call.rows), torch.tensor([block + i for i in call.rows])
-    return calls
+    return [call for group in groups for call in _plan_call(group, [visible[i] for i in group], past + q_len)]
 
 
 # A block after a reused prefix runs with at least this many query rows (see `_prefill_block`).
@@ -213,16 +210,14 @@ def _grouping_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
 class RowCall:
     """One kernel call for g query rows, each as its own one-row decode step (in the batch dimension).
 
-    rows: the rows' indices (among the rows planned together); width: keys per row, padded;
+    rows: (g,) the rows' indices among the rows planned together; width: keys per row, padded;
     index: (g, width) the key indices of each row, or None where they are a prefix of the cache;
     mask: (g, 1, 1, width) bool, the padding masked out, or None."""
 
-    rows: list[int]
+    rows: torch.Tensor
     width: int
     index: torch.Tensor | None
     mask: torch.Tensor | None
-    out_rows: torch.Tensor | None = None  # `rows` as a tensor, and the same rows in the forward's
-    query_rows: torch.Tensor | None = None  # query (set by `_row_calls`)
 
 
 def _plan_call(rows: list[int], visible: list[int | torch.Tensor], kv_len: int) -> list[RowCall]:
@@ -244,7 +239,7 @@ def _plan_call(rows: list[int], visible: list[int | torch.Tensor], kv_len: int) 
     mask = None
     if min(lengths) < width:
         mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
-    return [RowCall(rows, width, index, mask)]
+    return [RowCall(torch.tensor(rows), width, index, mask)]
 
 
 def _run_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: RowCall,
