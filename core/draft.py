@@ -74,6 +74,19 @@ class Draft:
             None if self.probs is None else self.probs[keep],
         )
 
+    def limit_size(self, size: int) -> "Draft":
+        """The `size` shallowest nodes, in layout order among equals (a tree stays a tree: ancestors
+        are shallower, or earlier at the same depth)."""
+        if len(self.tokens) <= size:
+            return self
+        keep = sorted(sorted(range(len(self.tokens)), key=lambda i: self.depths[i])[:size])
+        remap = {old: new for new, old in enumerate(keep)}
+        return Draft(
+            [self.tokens[i] for i in keep],
+            [remap.get(self.parents[i], -1) for i in keep],
+            None if self.probs is None else self.probs[keep],
+        )
+
 
 class Drafter:
     """Base class of drafters: propose continuations of the sequence; learn from what was accepted.
@@ -132,3 +145,27 @@ class AdaptiveLength:
                 self.value = max(self.minimum, self.value // 2)
         else:
             self.value = max(self.minimum, min(self.value - 1, accepted + 2))
+
+
+class SizeLadder:
+    """A cap on draft nodes for kernels whose verify cost rises in steps: the cap climbs the
+    ladder `sizes` while drafts are accepted whole and drops to the first rung on a partial
+    acceptance. `sizes` are node counts that fill a row count the kernel verifies cheaply (the
+    root row plus 3, 7, 15, 31 nodes: 4, 8, 16, 32 rows)."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        if not sizes or any(n < 1 for n in sizes):
+            raise ValueError(f"draft sizes must be >= 1, got {sizes}")
+        self.sizes = tuple(sizes)
+        self.rung = 0
+
+    @property
+    def value(self) -> int:
+        return self.sizes[self.rung]
+
+    def update(self, accepted: int, deepest: int) -> None:
+        """The last draft, `deepest` nodes deep, had `accepted` tokens verified."""
+        if accepted >= deepest:
+            self.rung = min(self.rung + 1, len(self.sizes) - 1)
+        else:
+            self.rung = 0

@@ -19,11 +19,19 @@ activations, all row counts 1..33:
 The form is chosen per weight shape by a check on this machine's kernel (`_form`) and tested;
 where no form passes, rows run one per call (exact, slow). Outside `block_rows` (one-token steps,
 HF's own generate()) the layers are plain `F.linear`.
+
+In fp32 rows differ from one-row calls by ~1e-6 whatever the form, and generate()'s tie guard
+redoes the rows where that could matter; there the draft rows take the fastest form instead
+(`fp32_rows`). On an AVX2-only CPU (no bf16 hardware, so fp32 is the default dtype) a plain
+multi-row call costs twice a one-row call even at 2 rows (MKL packs the weights on each call),
+while `weight @ x.T` of 2 or 4 columns costs about what one row does and 32 columns ~2.3x
+(measured with weights streamed from memory, as in a forward).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +49,8 @@ class ExactLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (1, rows, in) -> (1, rows, out); any other input is a plain `F.linear`."""
         rows = current_rows()
-        if (rows is None or self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu"
+        draft_rows = DRAFT_ROWS.get(self.weight.dtype)
+        if (rows is None or draft_rows is None or self.weight.device.type != "cpu"
                 or x.dim() != 3 or x.shape[0] != 1 or x.shape[1] == 1):
             return F.linear(x, self.weight, self.bias)
         block, total = rows
@@ -49,9 +58,9 @@ class ExactLinear(torch.nn.Linear):
         if block >= x.shape[1]:  # a prefill without draft rows
             return F.linear(x, self.weight, self.bias)
         if block <= 1:  # a lone root token is a decode step like the draft rows
-            return one_row_rounding(x[0], self.weight, self.bias)[None]
+            return draft_rows(x[0], self.weight, self.bias)[None]
         return torch.cat([F.linear(x[:, :block], self.weight, self.bias),
-                          one_row_rounding(x[0, block:], self.weight, self.bias)[None]], dim=1)
+                          draft_rows(x[0, block:], self.weight, self.bias)[None]], dim=1)
 
 
 def install(model: torch.nn.Module) -> int:
@@ -80,15 +89,31 @@ def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
             return F.linear(x, weight, bias)
         calls = [F.linear(rows, weight, bias) for rows in x.split(PLAIN_ROWS)]
         return calls[0] if len(calls) == 1 else torch.cat(calls)
-    if m % PAD_COLUMNS:
-        x = torch.cat([x, x.new_zeros(PAD_COLUMNS - m % PAD_COLUMNS, x.shape[1])])
+    return _transposed_calls(x, weight, bias, lambda rows: PAD_COLUMNS, PAD_COLUMNS)
+
+
+def fp32_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (m, in) -> (m, out): `weight @ x.T` in calls of 2, 4, 8, 16 or 32 columns (zero-padded),
+    the fastest form of multi-row fp32 calls on the CPU (see the module docstring)."""
+    return _transposed_calls(x, weight, bias, lambda rows: max(2, 1 << (rows - 1).bit_length()), 32)
+
+
+def _transposed_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      columns: Callable[[int], int], most: int) -> torch.Tensor:
+    """x (m, in) -> (m, out) as `weight @ x.T`, `most` rows a call, each call zero-padded to
+    `columns(rows)` columns."""
     calls = []
-    for cols in x.split(PAD_COLUMNS):
+    for rows in x.split(most):
+        width = columns(rows.shape[0])
+        if width > rows.shape[0]:
+            rows = torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])])
         if bias is None:
-            calls.append(weight @ cols.T)
+            calls.append(weight @ rows.T)
         else:
-            calls.append(torch.addmm(bias[:, None].expand(-1, cols.shape[0]), weight, cols.T))
-    return (calls[0] if len(calls) == 1 else torch.cat(calls, dim=1)).T[:m]
+            calls.append(torch.addmm(bias[:, None].expand(-1, width), weight, rows.T))
+    # Contiguous rows: a transposed result would pass its layout on through the elementwise ops
+    # to the next layer's input, and `weight @ x.T` of a column-major x is ~3x slower.
+    return (calls[0] if len(calls) == 1 else torch.cat(calls, dim=1)).T[: x.shape[0]].contiguous()
 
 
 @functools.cache
@@ -108,3 +133,7 @@ def _form(out_features: int, in_features: int, bias: bool) -> str:
         if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (2, 9, 17, 32, 2 * PAD_COLUMNS)):
             return form
     return "rows"
+
+
+# How ExactLinear computes draft rows, by weight dtype (others: plain `F.linear`).
+DRAFT_ROWS = {torch.bfloat16: one_row_rounding, torch.float32: fp32_rows}

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from . import decoder_forward
-from .draft import Draft, Drafter, NoDrafter
+from .draft import Draft, Drafter, NoDrafter, SizeLadder
 from .exact_attention import NAME as EXACT_ATTENTION, block_rows
 from .verify import Sampling, top_two, tree_attention_mask, verify_greedy, verify_sample, warp
 
@@ -120,6 +120,22 @@ def _tie_margin(model) -> float:
     return 1e-4 if exact else 1e-3
 
 
+# fp32 on the CPU: a verify step of 2-4 rows costs what a one-row step does, 5-8 rows ~1.55x, 9-16
+# ~2x, 17-32 ~2.9x (Qwen2.5-0.5B on an AVX2-only CPU, exact_linear's fp32 form; in one process,
+# alternating). Replayed on 100 JFLEG outputs with those costs, drafts capped at 3 nodes need 26%
+# less decode time than uncapped ones; the ladder, which grows on whole acceptances, does as well
+# there and lets long copies (summaries) draft more.
+FP32_CPU_DRAFT_SIZES = (3, 7, 15, 31)
+
+
+def default_draft_sizes(model) -> tuple[int, ...]:
+    """The `draft_sizes` ladder for this model's kernels (see `SizeLadder`); () for no cap (bf16,
+    where a verify step's cost grows smoothly with its rows)."""
+    if model.dtype == torch.float32 and model.device.type == "cpu":
+        return FP32_CPU_DRAFT_SIZES
+    return ()
+
+
 def _keep_path(cache: DynamicCache, root: int, path: list[int], n: int) -> None:
     """The cache holds tokens up to the root (at index `root`) + n draft nodes: keep the nodes on `path`."""
     if path == list(range(len(path))):  # a prefix of the laid-out nodes: a plain crop
@@ -181,6 +197,7 @@ def generate(
     on_step: StepCallback | None = None,
     prefix_cache=None,
     tie_margin: float | None = None,
+    draft_sizes: Sequence[int] | None = None,
 ) -> Generation:
     """Decode from `prompt` (token ids, or a (1, T) tensor) with draft-then-verify.
 
@@ -188,7 +205,8 @@ def generate(
     lossless speculative sampling with `generator` as the source of randomness. stop_strings need
     `tokenizer`. prefix_cache: an optional `PrefixCache` that reuses the KV of a shared prompt prefix.
     tie_margin: greedy only; rows whose top two logits are closer are recomputed alone (default:
-    per dtype and attention, see `_tie_margin`).
+    per dtype and attention, see `_tie_margin`). draft_sizes: a ladder of caps on draft nodes
+    (see `SizeLadder`); default `default_draft_sizes(model)`, () for none.
     """
     start = time.perf_counter()
     if isinstance(prompt, torch.Tensor):
@@ -213,6 +231,8 @@ def generate(
     else:
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     drafter = drafter or NoDrafter()
+    sizes = default_draft_sizes(model) if draft_sizes is None else tuple(draft_sizes)
+    ladder = SizeLadder(sizes) if sizes else None
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
 
     def pick(logits: torch.Tensor) -> int:
@@ -255,6 +275,8 @@ def generate(
         draft = drafter.propose(seq, room - 1) if new and room > 1 and not redo else None
         if draft is not None:
             draft = draft.limit_depth(room - 1)
+            if ladder is not None:
+                draft = draft.limit_size(ladder.value)
             if not len(draft):
                 draft = None
             elif max(draft.tokens) >= vocab or min(draft.tokens) < 0:
@@ -281,6 +303,8 @@ def generate(
         stats.drafted.append(n)
         stats.accepted.append(len(path))
         drafter.update(len(path), n)
+        if ladder is not None and n:
+            ladder.update(len(path), max(draft.depths))
 
         step = [draft.tokens[i] for i in path]
         flags = [True] * len(path)

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2C
 
 from specsuite.core import Draft, DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter, generate
 from specsuite.core import decoder_forward, exact_linear
+from specsuite.core.draft import SizeLadder
 from specsuite.core.exact_attention import NAME as EXACT, block_rows
 from specsuite.core.verify import tree_attention_mask, verify_greedy
 
@@ -176,6 +177,47 @@ def test_limit_depth_keeps_a_valid_tree_and_its_probs():
     assert len(d.limit_depth(0)) == 0
 
 
+def test_limit_size_keeps_the_shallowest_nodes_as_a_valid_tree():
+    d = Draft.from_paths([[1, 2, 3], [1, 4], [5, 6, 7, 8]])  # nodes 1 2 3 4 5 6 7 8, depths 1 2 3 2 1 2 3 4
+    d.probs = torch.arange(len(d), dtype=torch.float32)[:, None].repeat(1, 3)
+    assert d.limit_size(8) is d
+    four = d.limit_size(4)  # depth 1 (1, 5), then depth 2 in layout order (2, 4)
+    assert four.tokens == [1, 2, 4, 5] and four.parents == [-1, 0, 0, -1]
+    assert torch.equal(four.probs[:, 0], torch.tensor([0.0, 1.0, 3.0, 4.0]))
+    chain = Draft.chain([9, 8, 7, 6, 5])
+    assert chain.limit_size(3).tokens == [9, 8, 7] and chain.limit_size(3).is_chain
+
+
+def test_size_ladder_climbs_on_whole_acceptances_and_drops_on_a_partial_one():
+    ladder = SizeLadder((3, 7, 15))
+    assert ladder.value == 3
+    ladder.update(accepted=3, deepest=3)
+    assert ladder.value == 7
+    ladder.update(accepted=7, deepest=7)
+    ladder.update(accepted=15, deepest=15)
+    assert ladder.value == 15  # the top rung holds
+    ladder.update(accepted=4, deepest=15)
+    assert ladder.value == 3
+    with pytest.raises(ValueError):
+        SizeLadder((3, 0))
+
+
+def test_fp32_drafts_climb_the_default_size_ladder():
+    """In fp32 on the CPU, drafts are capped at 3 nodes, then 7, 15, 31 while accepted whole; the
+    output stays greedy's. draft_sizes=() verifies every node the drafter proposes."""
+    model = model_for("llama")
+    assert gen_mod.default_draft_sizes(model) == (3, 7, 15, 31)
+    p = prompts(1, seed=3)[0]
+    truth = hf_greedy(model, p, 60)
+    out = generate(model, p, OracleTreeDrafter(p, truth, seed=0), max_new_tokens=50, eos_token_id=[])
+    assert out.tokens == truth[:50]
+    assert out.stats.drafted[1] <= 3 and max(out.stats.drafted) <= 31
+    uncapped = generate(model, p, OracleTreeDrafter(p, truth, seed=0), max_new_tokens=50, eos_token_id=[],
+                        draft_sizes=())
+    assert uncapped.tokens == truth[:50] and uncapped.stats.drafted[1] > 3
+    assert gen_mod.default_draft_sizes(tiny_model("llama").to(torch.bfloat16)) == ()
+
+
 # ---- the tree attention mask ---------------------------------------------------------------
 
 def _rows(mask):
@@ -329,18 +371,19 @@ def test_target_as_its_own_draft_model_is_almost_always_accepted(kind):
     assert drafted > 0 and accepted / drafted > 0.95
 
 
+@pytest.mark.parametrize("sizes", [None, ()], ids=["size-ladder", "uncapped"])
 @pytest.mark.parametrize("kind,attn,count", [
     ("llama", EXACT, 20), ("qwen2", EXACT, 20),
     ("llama", "sdpa", 10), ("qwen2", "sdpa", 10), ("llama", "eager", 10), ("qwen2", "eager", 10),
 ])
-def test_oracle_token_trees_equal_hf_greedy(kind, attn, count, keep_path_spy):
+def test_oracle_token_trees_equal_hf_greedy(kind, attn, count, sizes, keep_path_spy):
     model = model_for(kind, attn)
     accepted = 0
     for i, p in enumerate(prompts(count, seed=6)):
         n = (1, 4, 17, 40)[i % 4]
         truth = hf_greedy(model, p, n + 10)
         oracle = OracleTreeDrafter(p, truth, seed=i)
-        out = generate(model, p, oracle, max_new_tokens=n, eos_token_id=[])
+        out = generate(model, p, oracle, max_new_tokens=n, eos_token_id=[], draft_sizes=sizes)
         assert out.tokens == truth[:n], f"prompt {i}"
         assert out.finish_reason == "length" and len(out.from_draft) == n
         assert sum(out.from_draft) == sum(out.stats.accepted) == oracle.accepted
@@ -567,6 +610,28 @@ def test_linear_rows_round_like_one_row_decode_steps_in_bf16():
         assert plain_differs
         # and no Qwen layer falls back to one call per row (exact, but a verify step ~1.5x slower)
         assert all(exact_linear._form(*shape) == "plain" for shape in QWEN_LINEARS if shape != (896, 4864, False))
+
+
+def test_fp32_draft_rows_are_the_linear_layer_in_padded_column_calls():
+    """In fp32, draft rows run as `weight @ x.T` in calls of 2, 4, 8, 16 or 32 zero-padded columns
+    (the fast form on the CPU): `F.linear`'s values up to fp32 rounding, as contiguous rows. Under
+    block_rows the block rows stay one plain call (a prefill) and the others take that form."""
+    gen = torch.Generator().manual_seed(2)
+    for out_f, in_f, bias in QWEN_LINEARS:
+        weight = torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5
+        b = torch.randn(out_f, generator=gen) if bias else None
+        for m in (1, 2, 3, 5, 9, 17, 32, 40):
+            x = torch.randn(m, in_f, generator=gen)
+            out = exact_linear.fp32_rows(x, weight, b)
+            assert out.shape == (m, out_f) and out.is_contiguous()
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    layer = torch.nn.Linear(896, 128)
+    exact_linear.install(torch.nn.Sequential(layer))
+    x = torch.randn(1, 9, 896, generator=gen)
+    with block_rows(4, 9):
+        out = layer(x)
+    assert torch.equal(out[:, :4], torch.nn.functional.linear(x[:, :4], layer.weight, layer.bias))
+    assert torch.equal(out[0, 4:], exact_linear.fp32_rows(x[0, 4:], layer.weight, layer.bias))
 
 
 def test_exact_linear_splits_block_rows_from_draft_rows():

@@ -306,9 +306,10 @@ def run_many(model, drafter_factory, sampling: Sampling, n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     pairs, accepted = [], []
     for _ in range(n):
-        # four tokens, so that the first step after the prefill may accept a draft two deep
+        # four tokens, so that the first step after the prefill may accept a draft two deep; the
+        # whole draft, uncapped (draft_sizes=()), is verified
         out = generate(model, PROMPT, drafter_factory(), max_new_tokens=4, sampling=sampling, generator=g,
-                       eos_token_id=[])
+                       eos_token_id=[], draft_sizes=())
         pairs.append((out.tokens[1], out.tokens[2]))
         accepted.append(out.stats.accepted[1])
     return empirical(pairs), accepted
