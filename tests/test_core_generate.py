@@ -709,3 +709,16 @@ def test_decoder_forward_equals_the_models_own_forward(kind, attn, dtype, monkey
 
 def test_decoder_forward_leaves_eager_attention_to_the_model():
     assert not decoder_forward.supports(tiny_model("llama", "eager"))
+
+
+def test_step_cost_times_every_row_count_and_restores_the_draft_row_form():
+    """`specsuite step-cost` times verify forwards by row count in both linear forms; afterwards the
+    draft rows take exact_linear's own form again."""
+    from specsuite.step_cost import format_costs, measure_step_costs
+
+    model = model_for("qwen2")
+    costs = measure_step_costs(model, [1, 3, 6], context=10, reps=2)
+    assert set(costs) == {"specsuite", "plain"}
+    assert all(set(c) == {1, 3, 6} and min(c.values()) > 0 for c in costs.values())
+    assert exact_linear.DRAFT_ROWS[torch.float32] is exact_linear.fp32_rows
+    assert len(format_costs(costs).splitlines()) == 4

@@ -7,6 +7,7 @@ Model tests use the smollm2-135m preset and short answers; exactness tests run i
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,16 @@ def test_reference_drafter_equals_hf_greedy(smollm2_fp32, items):
         assert g.tokens == hf, f"question {item['question_id']}: {tok.decode(g.tokens)!r} != {tok.decode(hf)!r}"
         accepted += sum(g.stats.accepted)
     assert accepted > 0  # the drafts were used, not only verified away
+
+
+def test_prefix_cache_is_on_by_default_only_in_fp32(smollm2_fp32):
+    """Lossless by default: the cache is on in fp32 and off in bf16, where a cached prompt's rows
+    can round otherwise than a whole prefill; an explicit budget turns it on anyway."""
+    model, tok = smollm2_fp32
+    assert RagQA.from_loaded(model, tok).prefix_cache.max_bytes == 1 << 30
+    bf16 = types.SimpleNamespace(dtype=torch.bfloat16, config=model.config)
+    assert RagQA.from_loaded(bf16, tok).prefix_cache is None
+    assert RagQA.from_loaded(bf16, tok, prefix_cache_bytes=1 << 20).prefix_cache.max_bytes == 1 << 20
 
 
 def test_prefix_cache_is_lossless_for_repeated_and_follow_up_questions(smollm2_fp32, items):

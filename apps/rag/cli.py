@@ -29,7 +29,7 @@ def _load_qa(args: argparse.Namespace, index_dir: str | Path):
     from .qa import RagQA
 
     return RagQA(str(index_dir), model=args.model, drafter=args.drafter,
-                 prefix_cache_bytes=0 if getattr(args, "no_prefix_cache", False) else 1 << 30,
+                 prefix_cache_bytes=0 if getattr(args, "no_prefix_cache", False) else None,
                  max_new_tokens=args.max_new_tokens)
 
 

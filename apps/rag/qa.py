@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 
+import torch
+
 from specsuite.core import (Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece,
                             eos_token_ids, generate, stream)
 from specsuite.core.models import DEFAULT_MODEL, load_model
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from specsuite.retrieval import Passage, PassageIndex
 
 DRAFTERS = ("reference", "prompt-lookup", "none")
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 PassageLike = Union["Passage", str]
 Scored = tuple[PassageLike, Union[float, None]]  # a passage and its retrieval score (None: given by the caller)
 
@@ -111,10 +114,12 @@ class RagQA:
     drafter: "reference" (copy from the passages), "prompt-lookup" or "none" (plain decoding).
     prefix_cache_bytes: budget of the prompt KV cache shared across calls (0 turns it off); a
         follow-up question over the same passages then only computes the question's tokens.
+        Default (None): 1 GiB in fp32, off in other dtypes, where the cached prompt's rows can round
+        otherwise than a whole prefill and flip a later token (see the README's *Exactness*).
     """
 
     def __init__(self, index_dir: str | None = None, model: str = DEFAULT_MODEL, drafter: str = "reference",
-                 prefix_cache_bytes: int = 1 << 30, max_new_tokens: int = 256, dtype: str | None = None) -> None:
+                 prefix_cache_bytes: int | None = None, max_new_tokens: int = 256, dtype: str | None = None) -> None:
         index = None
         if index_dir is not None:
             from specsuite.retrieval import PassageIndex
@@ -125,17 +130,20 @@ class RagQA:
 
     @classmethod
     def from_loaded(cls, model, tokenizer, index: "PassageIndex | None" = None, drafter: str = "reference",
-                    prefix_cache_bytes: int = 1 << 30, max_new_tokens: int = 256) -> "RagQA":
+                    prefix_cache_bytes: int | None = None, max_new_tokens: int = 256) -> "RagQA":
         """A RagQA over an already loaded model, tokenizer and index (tests, notebooks)."""
         qa = cls.__new__(cls)
         qa._setup(model, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens)
         return qa
 
-    def _setup(self, model, tokenizer, index, drafter: str, prefix_cache_bytes: int, max_new_tokens: int) -> None:
+    def _setup(self, model, tokenizer, index, drafter: str, prefix_cache_bytes: int | None,
+               max_new_tokens: int) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
         self.model, self.tokenizer, self.index = model, tokenizer, index
         self.drafter, self.max_new_tokens = drafter, max_new_tokens
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = DEFAULT_PREFIX_CACHE_BYTES if model.dtype == torch.float32 else 0
         self.prefix_cache = PrefixCache(model.config, max_bytes=prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.eos = sorted(eos_token_ids(model, tokenizer))
         self._lock = threading.Lock()  # one generation at a time: the model and cache are shared
