@@ -171,6 +171,12 @@ def _forward(model, fresh: list[int], cache: DynamicCache, past: int, draft: Dra
         return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
 
 
+def _near_tie(logits: torch.Tensor, margin: float) -> bool:
+    """Whether the top two logits of a (1, vocab) row are closer than `margin`."""
+    _, first, second = top_two(logits)
+    return float(first[0] - second[0]) < margin
+
+
 def _first_stop(tokenizer, new: list[int], stop_strings: Sequence[str], start: int) -> int | None:
     """Length of the shortest prefix of `new` (at least `start` + 1 tokens) whose text contains a
     stop string, or None. Stopping there leaves the same tokens as one-token-at-a-time decoding."""
@@ -283,6 +289,13 @@ def generate(
                 raise ValueError(f"drafter {drafter.name!r} proposed token ids outside the vocabulary (0..{vocab - 1})")
         t1 = time.perf_counter()
         logits = _forward(model, fresh, cache, past, draft)
+        if cached and not new and tie_margin > 0 and _near_tie(logits[:1], tie_margin):
+            # The rows after a cached prefix may round otherwise than one prefill of the prompt:
+            # a near-tie of the first token is decided by the whole prefill, as plain decoding does.
+            cache, cached, past, fresh = DynamicCache(config=model.config), 0, 0, list(prompt_ids)
+            stats.cached_prompt_tokens = 0
+            stats.forward_passes += 1
+            logits = _forward(model, fresh, cache, past, None)
         if prefix_cache is not None and not new:
             prefix_cache.store(prompt_ids, cache)
         if draft is None:  # rounds as plain decoding does: a one-token step, or the prefill itself

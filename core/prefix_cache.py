@@ -4,7 +4,9 @@ Lossless in exact arithmetic: a prefix's keys and values do not depend on what f
 are whole prompts' KV; a new prompt reuses the longest common prefix with any entry (at least
 `min_tokens`). Memory is bounded by an LRU budget in bytes.
 
-Rounding: in fp32 the output is identical with and without the cache (tested). In bf16 on CPU the
+Rounding: in fp32 the output is identical with and without the cache (tested), though not bit for
+bit on every CPU (on an AVX2-only one the cached rows' logits differ in the last bits), so a
+near-tie of the first token is decided by a whole-prompt prefill (`generate()`). In bf16 on CPU the
 matmuls of the few fresh rows round differently from those of a whole-prompt prefill, which can
 flip exact ties of the argmax later on (measured with smollm2-135m: 5 of 16 prompts); `specsuite
 bench rag` reports the rate for the model at hand.

@@ -722,3 +722,21 @@ def test_step_cost_times_every_row_count_and_restores_the_draft_row_form():
     assert all(set(c) == {1, 3, 6} and min(c.values()) > 0 for c in costs.values())
     assert exact_linear.DRAFT_ROWS[torch.float32] is exact_linear.fp32_rows
     assert len(format_costs(costs).splitlines()) == 4
+
+
+def test_a_near_tie_after_a_cached_prefix_is_decided_by_the_whole_prefill():
+    """The first token after a cached prefix is taken from the cached rows unless its top two
+    logits are closer than the tie margin; then the whole prompt is prefilled, as plain decoding
+    does. (A huge margin makes every first token a near-tie.)"""
+    from specsuite.core import PrefixCache
+
+    model = model_for("llama")
+    shared = prompts(1, seed=4, lengths=(40, 41))[0]
+    a, b = shared + [7, 8, 9, 10, 11, 12, 13, 14, 15], shared + [21, 22, 23, 24, 25, 26, 27, 28, 29]
+    for margin, reused in ((1e-4, True), (1e9, False)):
+        cache = PrefixCache(model.config)
+        generate(model, a, max_new_tokens=2, eos_token_id=[], prefix_cache=cache)
+        out = generate(model, b, PromptLookupDrafter(), max_new_tokens=12, eos_token_id=[], prefix_cache=cache,
+                       tie_margin=margin)
+        assert out.tokens == hf_greedy(model, b, 12)
+        assert (out.stats.cached_prompt_tokens > 0) == reused
