@@ -20,17 +20,20 @@ The form is chosen per weight shape by a check on this machine's kernel (`_form`
 where no form passes, rows run one per call (exact, slow). Outside `block_rows` (one-token steps,
 HF's own generate()) the layers are plain `F.linear`.
 
-In fp32 rows differ from one-row calls by ~1e-6 whatever the form, and generate()'s tie guard
-redoes the rows where that could matter; there the draft rows take the fastest form instead
-(`fp32_rows`). On an AVX2-only CPU (no bf16 hardware, so fp32 is the default dtype) a plain
-multi-row call costs twice a one-row call even at 2 rows (MKL packs the weights on each call),
-while `weight @ x.T` of 2 or 4 columns costs about what one row does and 32 columns ~2.3x
-(measured with weights streamed from memory, as in a forward).
+In fp32 no form rounds draft rows bit for bit as one-row calls, and none needs to: rows differ
+from one-row calls by ~1e-6, and generate()'s tie guard redoes the rows where that could matter.
+So in fp32 every row of generate()'s forwards takes the fastest kernel instead (`fp32_linear`). On
+an AVX2-only CPU (no bf16 hardware, so fp32 is the default dtype) torch's own fp32 `F.linear` is
+MKL's, which packs the weights on every call: a 2-row call costs twice a one-row one. oneDNN with
+weights packed once (`packed_weight`, a second copy of the weights) costs ~10% less for one row,
+~25% less for 16-85 rows (a prefill); for 2-4 rows `weight @ x.T` of 2 or 4 columns is cheaper
+still, about a one-row step (`specsuite step-cost`).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Callable
 
 import torch
@@ -44,23 +47,59 @@ PAD_COLUMNS = 33
 
 class ExactLinear(torch.nn.Linear):
     """`nn.Linear` whose rows round as in plain decoding under `block_rows` (bf16 weights on the
-    CPU only: the rules are the CPU kernel's)."""
+    CPU: the rules are the CPU kernel's), and take the fastest kernel there in fp32."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (1, rows, in) -> (1, rows, out); any other input is a plain `F.linear`."""
         rows = current_rows()
-        draft_rows = DRAFT_ROWS.get(self.weight.dtype)
-        if (rows is None or draft_rows is None or self.weight.device.type != "cpu"
-                or x.dim() != 3 or x.shape[0] != 1 or x.shape[1] == 1):
+        layer_rows = FORWARDS.get(self.weight.dtype)
+        if rows is None or layer_rows is None or self.weight.device.type != "cpu" or x.dim() != 3 or x.shape[0] != 1:
             return F.linear(x, self.weight, self.bias)
         block, total = rows
-        block -= total - x.shape[1]  # the lm_head sees only the last rows (logits_to_keep)
-        if block >= x.shape[1]:  # a prefill without draft rows
-            return F.linear(x, self.weight, self.bias)
-        if block <= 1:  # a lone root token is a decode step like the draft rows
-            return draft_rows(x[0], self.weight, self.bias)[None]
-        return torch.cat([F.linear(x[:, :block], self.weight, self.bias),
-                          draft_rows(x[0, block:], self.weight, self.bias)[None]], dim=1)
+        # the lm_head sees only the last rows (logits_to_keep)
+        return layer_rows(self, x, block - (total - x.shape[1]))
+
+
+def bf16_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (1, rows, in) -> (1, rows, out): the first `block` rows as one call (a prefill), the
+    others each rounded as a one-row call (`one_row_rounding`)."""
+    if x.shape[1] == 1 or block >= x.shape[1]:  # a one-token step, or a prefill without draft rows
+        return F.linear(x, layer.weight, layer.bias)
+    if block <= 1:  # a lone root token is a decode step like the draft rows
+        return one_row_rounding(x[0], layer.weight, layer.bias)[None]
+    return torch.cat([F.linear(x[:, :block], layer.weight, layer.bias),
+                      one_row_rounding(x[0, block:], layer.weight, layer.bias)[None]], dim=1)
+
+
+def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (1, rows, in) -> (1, rows, out) by the fastest CPU kernel for the row count: `weight @
+    x.T` for 2-4 rows (`fp32_rows`), else oneDNN on packed weights (where torch lacks oneDNN:
+    `F.linear` for one row or a prefill, `fp32_rows` for draft rows)."""
+    rows = x.shape[1]
+    if 2 <= rows <= 4:
+        return fp32_rows(x[0], layer.weight, layer.bias)[None]
+    if ONEDNN:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(layer), layer.bias, "none", [], "")
+    if rows == 1 or block >= rows:
+        return F.linear(x, layer.weight, layer.bias)
+    return fp32_rows(x[0], layer.weight, layer.bias)[None]
+
+
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+PACK_ROWS = 32  # the row count oneDNN lays the packed weights out for (any count runs on them)
+_packed: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def packed_weight(layer: torch.nn.Linear) -> torch.Tensor:
+    """`layer.weight` packed for oneDNN, made on first use and again whenever the weight changes.
+    Kept outside the module, so that copying or saving the model never meets the opaque tensor."""
+    weight = layer.weight
+    key = (weight.data_ptr(), weight._version, weight.dtype)
+    entry = _packed.get(layer)
+    if entry is None or entry[0] != key:
+        entry = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
+        _packed[layer] = entry
+    return entry[1]
 
 
 def install(model: torch.nn.Module) -> int:
@@ -94,7 +133,7 @@ def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
 def fp32_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (m, in) -> (m, out): `weight @ x.T` in calls of 2, 4, 8, 16 or 32 columns (zero-padded),
-    the fastest form of multi-row fp32 calls on the CPU (see the module docstring)."""
+    the fastest form of 2-4-row fp32 calls on the CPU (see the module docstring)."""
     return _transposed_calls(x, weight, bias, lambda rows: max(2, 1 << (rows - 1).bit_length()), 32)
 
 
@@ -135,5 +174,5 @@ def _form(out_features: int, in_features: int, bias: bool) -> str:
     return "rows"
 
 
-# How ExactLinear computes draft rows, by weight dtype (others: plain `F.linear`).
-DRAFT_ROWS = {torch.bfloat16: one_row_rounding, torch.float32: fp32_rows}
+# How ExactLinear computes the rows of generate()'s forwards, by weight dtype (others: plain `F.linear`).
+FORWARDS = {torch.bfloat16: bf16_rows, torch.float32: fp32_linear}

@@ -9,6 +9,7 @@ it is distributed as plain sampling.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -108,16 +109,18 @@ def _tie_margin(model) -> float:
     """Logit gap below which a multi-token forward's argmax is not trusted to match plain decoding.
 
     Without exact attention, rows differ from one-token forwards by up to ~0.17 in bf16 (measured on
-    Qwen2.5-0.5B), ~1e-5 in fp32: a near-tie row is recomputed alone. With exact attention and
-    exact linear layers in bf16, every row rounds bit for bit as in a one-token step, so no guard is
-    needed (measured on Qwen2.5-0.5B: 100 of 100 JFLEG corrections identical to greedy without one).
-    fp16 and fp32 keep a guard far below their rounding noise, which costs nothing."""
+    Qwen2.5-0.5B). With exact attention and exact linear layers in bf16, every row rounds bit for
+    bit as in a one-token step, so no guard is needed (measured on Qwen2.5-0.5B: 100 of 100 JFLEG
+    corrections identical to greedy without one). In fp32 every row runs on faster kernels than
+    plain decoding's (exact_linear.py) and differs from it by up to ~4e-5 (Qwen2.5-0.5B's logits
+    after a prefill, measured on JFLEG prompts): a guard 25x wider, which a row crosses about once
+    in a few thousand tokens."""
     exact = model.config._attn_implementation == EXACT_ATTENTION
     if model.dtype == torch.bfloat16:
         return 0.0 if exact else 0.25
     if model.dtype == torch.float16:
         return 0.02 if exact else 0.05
-    return 1e-4 if exact else 1e-3
+    return 1e-3
 
 
 # fp32 on the CPU: a verify step of 2-4 rows costs what a one-row step does, 5-8 rows ~1.5-1.7x,
@@ -148,9 +151,12 @@ def _keep_path(cache: DynamicCache, root: int, path: list[int], n: int) -> None:
         layer.values = torch.cat([layer.values[..., : root + 1, :], layer.values[..., keep, :]], dim=-2)
 
 
-def _forward(model, fresh: list[int], cache: DynamicCache, past: int, draft: Draft | None) -> torch.Tensor:
+def _forward(model, fresh: list[int], cache: DynamicCache, past: int, draft: Draft | None,
+             plain: bool = False) -> torch.Tensor:
     """One target forward over [fresh tokens..., draft nodes...] after `past` cached tokens.
-    Returns (1 + len(draft), vocab) logits: row 0 for the last fresh token (the root), then one per node."""
+    Returns (1 + len(draft), vocab) logits: row 0 for the last fresh token (the root), then one per node.
+    plain: computed as the model's own forward does (no draft allowed), not in exact_attention's
+    and exact_linear's forms."""
     n = len(draft) if draft else 0
     ids = torch.tensor([fresh + (draft.tokens if draft else [])], device=model.device)
     positions, mask = None, None  # a chain needs no mask: plain causal attention
@@ -162,7 +168,7 @@ def _forward(model, fresh: list[int], cache: DynamicCache, past: int, draft: Dra
         if model.config._attn_implementation == "eager":
             mask = torch.zeros(mask.shape, dtype=model.dtype, device=model.device).masked_fill(
                 ~mask, torch.finfo(model.dtype).min)
-    with block_rows(len(fresh), len(fresh) + n):
+    with contextlib.nullcontext() if plain else block_rows(len(fresh), len(fresh) + n):
         if decoder_forward.supports(model):
             if positions is None:
                 positions = torch.arange(past, past + ids.shape[1], device=model.device)[None]
@@ -259,7 +265,10 @@ def generate(
     fresh = prompt_ids[cached:]  # tokens not in the cache yet; the last one is the root of the draft
     finish = None
     stop_from = 0  # new tokens before this index were already searched for stop strings
-    redo = False  # the last step ended on a near-tie: recompute it with a one-token forward
+    redo = False  # the last step ended on a near-tie: recompute it with a plain one-token forward
+    # whether our prefill and one-token steps compute as plain decoding does (exact_linear's fp32
+    # kernels on the CPU do not)
+    plain_steps = not (model.dtype == torch.float32 and model.device.type == "cpu")
     if sampling is not None:
         tie_margin = 0.0
     elif tie_margin is None:
@@ -288,18 +297,20 @@ def generate(
             elif max(draft.tokens) >= vocab or min(draft.tokens) < 0:
                 raise ValueError(f"drafter {drafter.name!r} proposed token ids outside the vocabulary (0..{vocab - 1})")
         t1 = time.perf_counter()
-        logits = _forward(model, fresh, cache, past, draft)
-        if cached and not new and tie_margin > 0 and _near_tie(logits[:1], tie_margin):
-            # The rows after a cached prefix may round otherwise than one prefill of the prompt:
-            # a near-tie of the first token is decided by the whole prefill, as plain decoding does.
+        logits = _forward(model, fresh, cache, past, draft, plain=redo)
+        # A prefill or one-token step computed otherwise than plain decoding's (after a cached
+        # prefix, or on exact_linear's fp32 kernels) is not trusted on a near-tie.
+        unsure = (draft is None and not redo and tie_margin > 0 and (not plain_steps or (cached and not new))
+                  and _near_tie(logits[:1], tie_margin))
+        if unsure and not new:  # the first token is decided by plain decoding's whole-prompt prefill
             cache, cached, past, fresh = DynamicCache(config=model.config), 0, 0, list(prompt_ids)
             stats.cached_prompt_tokens = 0
             stats.forward_passes += 1
-            logits = _forward(model, fresh, cache, past, None)
+            logits = _forward(model, fresh, cache, past, None, plain=True)
         if prefix_cache is not None and not new:
             prefix_cache.store(prompt_ids, cache)
-        if draft is None:  # rounds as plain decoding does: a one-token step, or the prefill itself
-            path, nxt = [], pick(logits[0])
+        if draft is None:
+            path, nxt = [], None if unsure and new else pick(logits[0])
         elif sampling is None:
             path, nxt = verify_greedy(draft, logits, tie_margin)
         else:

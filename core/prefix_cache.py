@@ -29,6 +29,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def lossless_by_default(model) -> bool:
+    """Whether apps turn a prefix cache on by default for this model: in fp32, where the output
+    stays identical to uncached decoding (see the module docstring), not in bf16 or fp16."""
+    return model.dtype == torch.float32
+
+
 class PrefixCache:
     """LRU cache of prompt KV, keyed by token ids. `max_bytes=0` turns it off."""
 

@@ -7,6 +7,7 @@ Plus unit tests of the draft tree, the tree attention mask and greedy verificati
 
 from __future__ import annotations
 
+import copy
 import importlib
 import random
 
@@ -612,10 +613,9 @@ def test_linear_rows_round_like_one_row_decode_steps_in_bf16():
         assert all(exact_linear._form(*shape) == "plain" for shape in QWEN_LINEARS if shape != (896, 4864, False))
 
 
-def test_fp32_draft_rows_are_the_linear_layer_in_padded_column_calls():
-    """In fp32, draft rows run as `weight @ x.T` in calls of 2, 4, 8, 16 or 32 zero-padded columns
-    (the fast form on the CPU): `F.linear`'s values up to fp32 rounding, as contiguous rows. Under
-    block_rows the block rows stay one plain call (a prefill) and the others take that form."""
+def test_fp32_rows_are_the_linear_layer_in_padded_column_calls():
+    """`fp32_rows` (2-4-row calls in fp32): `weight @ x.T` in calls of 2, 4, 8, 16 or 32 zero-padded
+    columns, `F.linear`'s values up to fp32 rounding, as contiguous rows."""
     gen = torch.Generator().manual_seed(2)
     for out_f, in_f, bias in QWEN_LINEARS:
         weight = torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5
@@ -625,13 +625,37 @@ def test_fp32_draft_rows_are_the_linear_layer_in_padded_column_calls():
             out = exact_linear.fp32_rows(x, weight, b)
             assert out.shape == (m, out_f) and out.is_contiguous()
             torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_forwards_take_the_fast_kernels_and_plain_calls_stay_plain():
+    """In fp32 under block_rows: 2-4 rows as `fp32_rows`, other counts (a one-token step, a
+    prefill, long drafts) on oneDNN with packed weights, all `F.linear`'s values up to rounding;
+    outside block_rows (HF's own generate) bit for bit `F.linear`. The packed weights follow
+    in-place changes of the weight and stay out of copies of the model."""
+    gen = torch.Generator().manual_seed(3)
     layer = torch.nn.Linear(896, 128)
-    exact_linear.install(torch.nn.Sequential(layer))
+    model = torch.nn.Sequential(layer)
+    exact_linear.install(model)
+    for rows, block in ((1, 1), (3, 1), (4, 4), (9, 4), (40, 40)):
+        x = torch.randn(1, rows, 896, generator=gen)
+        with block_rows(block, rows):
+            out = layer(x)
+        plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+        if 2 <= rows <= 4:
+            assert torch.equal(out[0], exact_linear.fp32_rows(x[0], layer.weight, layer.bias))
+        elif exact_linear.ONEDNN:
+            packed = exact_linear.packed_weight(layer)
+            assert torch.equal(out, torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], ""))
+        assert torch.equal(layer(x), plain)  # outside block_rows
     x = torch.randn(1, 9, 896, generator=gen)
-    with block_rows(4, 9):
-        out = layer(x)
-    assert torch.equal(out[:, :4], torch.nn.functional.linear(x[:, :4], layer.weight, layer.bias))
-    assert torch.equal(out[0, 4:], exact_linear.fp32_rows(x[0, 4:], layer.weight, layer.bias))
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    with block_rows(9, 9):
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                   rtol=1e-5, atol=1e-5)
+    twin = copy.deepcopy(model)
+    assert torch.equal(twin[0].weight, layer.weight)
 
 
 def test_exact_linear_splits_block_rows_from_draft_rows():
@@ -720,7 +744,7 @@ def test_step_cost_times_every_row_count_and_restores_the_draft_row_form():
     costs = measure_step_costs(model, [1, 3, 6], context=10, reps=2)
     assert set(costs) == {"specsuite", "plain"}
     assert all(set(c) == {1, 3, 6} and min(c.values()) > 0 for c in costs.values())
-    assert exact_linear.DRAFT_ROWS[torch.float32] is exact_linear.fp32_rows
+    assert exact_linear.FORWARDS[torch.float32] is exact_linear.fp32_linear
     assert len(format_costs(costs).splitlines()) == 4
 
 
@@ -740,3 +764,19 @@ def test_a_near_tie_after_a_cached_prefix_is_decided_by_the_whole_prefill():
                        tie_margin=margin)
         assert out.tokens == hf_greedy(model, b, 12)
         assert (out.stats.cached_prompt_tokens > 0) == reused
+
+
+def test_fp32_near_ties_of_prefill_and_one_token_steps_are_redone_as_plain_decoding():
+    """In fp32 on the CPU our prefill and one-token steps run on other kernels than plain decoding's
+    (exact_linear.fp32_linear): a near-tie there is redone as plain decoding computes it, the first
+    token by a plain whole-prompt prefill, later ones by a plain one-token step. In bf16 these
+    forwards are plain decoding's own and nothing is redone. (A huge margin makes every row a near-tie.)"""
+    model = model_for("llama")
+    p = prompts(1, seed=5, lengths=(20, 21))[0]
+    out = generate(model, p, NoDrafter(), max_new_tokens=6, eos_token_id=[], tie_margin=1e9)
+    assert out.tokens == hf_greedy(model, p, 6)
+    assert out.stats.forward_passes == 2 + 2 * 5
+    assert generate(model, p, NoDrafter(), max_new_tokens=6, eos_token_id=[]).tokens == out.tokens
+    bf16 = tiny_model("llama").to(torch.bfloat16)
+    out = generate(bf16, p, NoDrafter(), max_new_tokens=6, eos_token_id=[], tie_margin=1e9)
+    assert out.tokens == hf_greedy(bf16, p, 6) and out.stats.forward_passes == 6

@@ -8,9 +8,12 @@ decoding writes, only faster), and the corrections are put back into the text's 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
+
+import torch
 
 from specsuite.core import Generation, PromptLookupDrafter, TextPiece, eos_token_ids, generate, turn_end_token
 from specsuite.core import stream as stream_generation
@@ -20,12 +23,12 @@ from specsuite.core.models import DEFAULT_MODEL, load_model
 
 from .drafter import CopyDrafter
 from .edits import Edit, word_diff
-from .prompt import gec_prompt_ids
+from .prompt import gec_prompt_ids, instruction_cache
 from .segment import Segment, join_segments, split_segments
 
 DRAFTERS = ("copy", "prompt-lookup", "none")
 MAX_CONTEXT_LIMIT = 1024  # longer segments gain nothing and make one slow step of a batch
-CALIBRATION_TOKENS = 8  # one-token steps timed once, for estimated_speedup
+CALIBRATION_TOKENS = 8  # HF generate() one-token steps timed once, for estimated_speedup
 
 # Stats that add up over segments and texts; the rates are derived from them (see combine_stats).
 SUMMED_STATS = ("segments", "prompt_tokens", "new_tokens", "forward_passes", "drafted_tokens",
@@ -51,8 +54,9 @@ def combine_stats(parts: Iterable[dict]) -> dict:
     """Sum the additive stats of segments (or of whole corrections) and derive the rates.
 
     `estimated_speedup` is an ESTIMATE of plain greedy decoding time / actual time: plain time is
-    taken as our prefill time plus one measured one-token decode step per further new token. It is
-    not a measurement of plain decoding (run `specsuite bench gec` for that)."""
+    taken as HF `generate()`'s prefill time per prompt token and one-token step time, measured once,
+    times the segment's prompt and new tokens. It is not a measurement of plain decoding on these
+    texts (run `specsuite bench gec` for that)."""
     parts = list(parts)
     out: dict = {key: sum(p.get(key) or 0 for p in parts) for key in SUMMED_STATS}
     for key in ("prefill_s", "total_s", "estimated_plain_s"):
@@ -89,7 +93,8 @@ class Corrector:
         # The prompt holds the segment, the reply may be twice as long: a quarter of the context
         # per segment keeps both inside it (1024 tokens for the presets).
         self.context_limit = min(context_length(model) // 4, MAX_CONTEXT_LIMIT)
-        self._plain_step_s: float | None = None  # one plain decode step, timed on first use
+        self._plain_costs_s: tuple[float, float] | None = None  # see _plain_costs, timed on first use
+        self.prefix_cache = instruction_cache(model)
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -132,7 +137,7 @@ class Corrector:
     def _generate(self, text: str, on_step=None) -> Generation:
         budget = self.max_new_tokens or 2 * self.count_tokens(text) + 16
         return generate(self.model, gec_prompt_ids(self.tokenizer, text), self._make_drafter(text),
-                        max_new_tokens=budget, eos_token_id=self.eos, on_step=on_step)
+                        max_new_tokens=budget, eos_token_id=self.eos, on_step=on_step, prefix_cache=self.prefix_cache)
 
     def _stream_segment(self, text: str) -> Generator[TextPiece, None, Generation]:
         """The reply's pieces as `str.strip` leaves the reply: leading whitespace dropped, trailing
@@ -169,23 +174,30 @@ class Corrector:
 
     def _segment_stats(self, g: Generation) -> dict:
         s = g.stats
-        # Plain decoding: the same prefill, then one one-token forward per further new token.
-        plain = s.prefill_s + max(0, s.new_tokens - 1) * self._step_time()
+        per_prompt_token, step = self._plain_costs()
+        plain = per_prompt_token * s.prompt_tokens + max(0, s.new_tokens - 1) * step
         return {"segments": 1, "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
                 "forward_passes": s.forward_passes, "drafted_tokens": sum(s.drafted),
                 "accepted_tokens": sum(s.accepted), "prefill_s": s.prefill_s, "total_s": s.total_s,
                 "estimated_plain_s": plain}
 
-    def _step_time(self) -> float:
-        """Seconds of one plain (one-token) decode step, timed once on a short plain decode.
+    def _plain_costs(self) -> tuple[float, float]:
+        """Seconds of plain decoding (HF `generate()`, greedy) per prompt token of the prefill and
+        per one-token step, timed once on a short sentence.
 
-        Our own decode steps cannot stand in for it: a verify forward over a long draft costs
-        several one-token forwards on a CPU."""
-        if self._plain_step_s is None:
-            prompt = gec_prompt_ids(self.tokenizer, "This is a sentence.")
-            g = generate(self.model, prompt, None, max_new_tokens=CALIBRATION_TOKENS, eos_token_id=[])
-            self._plain_step_s = g.stats.decode_s / max(1, g.stats.forward_passes - 1)
-        return self._plain_step_s
+        Our own forwards cannot stand in for them: the prefill reuses the cached instruction and
+        runs on other kernels in fp32, and a verify forward over a long draft costs several
+        one-token forwards on a CPU."""
+        if self._plain_costs_s is None:
+            ids = torch.tensor([gec_prompt_ids(self.tokenizer, "This is a sentence.")])
+            times = []
+            for new in (1, 1 + CALIBRATION_TOKENS):
+                start = time.perf_counter()
+                self.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                    pad_token_id=self.eos[0], temperature=None, top_p=None, top_k=None)
+                times.append(time.perf_counter() - start)
+            self._plain_costs_s = (times[0] / ids.shape[1], max(0.0, times[1] - times[0]) / CALIBRATION_TOKENS)
+        return self._plain_costs_s
 
 
 def _check(drafter: str, max_new_tokens: int | None) -> None:

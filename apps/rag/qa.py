@@ -18,11 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 
-import torch
-
 from specsuite.core import (Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece,
                             eos_token_ids, generate, stream)
 from specsuite.core.models import DEFAULT_MODEL, load_model
+from specsuite.core.prefix_cache import lossless_by_default
 
 from .drafter import ReferenceDrafter
 from .prompt import rag_prompt_ids
@@ -143,7 +142,7 @@ class RagQA:
         self.model, self.tokenizer, self.index = model, tokenizer, index
         self.drafter, self.max_new_tokens = drafter, max_new_tokens
         if prefix_cache_bytes is None:
-            prefix_cache_bytes = DEFAULT_PREFIX_CACHE_BYTES if model.dtype == torch.float32 else 0
+            prefix_cache_bytes = DEFAULT_PREFIX_CACHE_BYTES if lossless_by_default(model) else 0
         self.prefix_cache = PrefixCache(model.config, max_bytes=prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.eos = sorted(eos_token_ids(model, tokenizer))
         self._lock = threading.Lock()  # one generation at a time: the model and cache are shared
