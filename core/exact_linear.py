@@ -17,11 +17,12 @@ activations, all row counts 1..33:
   rows otherwise on random data, though most widths up to 128 held.)
 
 The form is chosen per weight shape by a check on this machine's kernel (`_form`) and tested;
-where no form passes, rows run one per call (exact, slow). Outside `block_rows` (one-token steps,
-HF's own generate()) the layers are plain `F.linear`.
+where no form passes, rows run one per call (exact, slow). One-token steps, and every call outside
+`block_rows` (HF's own generate()), are plain `F.linear`.
 
 In fp32 no form rounds draft rows bit for bit as one-row calls, and none needs to: rows differ
-from one-row calls by ~1e-6, and generate()'s tie guard redoes the rows where that could matter.
+from plain calls by ~1e-6, and generate()'s tie guard redoes, as plain decoding computes them, the
+rows where that could matter.
 So in fp32 every row of generate()'s forwards takes the fastest kernel instead (`fp32_linear`). On
 an AVX2-only CPU (no bf16 hardware, so fp32 is the default dtype) torch's own fp32 `F.linear` is
 MKL's, which packs the weights on every call: a 2-row call costs twice a one-row one. oneDNN with

@@ -113,8 +113,7 @@ def _tie_margin(model) -> float:
     bit as in a one-token step, so no guard is needed (measured on Qwen2.5-0.5B: 100 of 100 JFLEG
     corrections identical to greedy without one). In fp32 every row runs on faster kernels than
     plain decoding's (exact_linear.py) and differs from it by up to ~4e-5 (Qwen2.5-0.5B's logits
-    after a prefill, measured on JFLEG prompts): a guard 25x wider, which a row crosses about once
-    in a few thousand tokens."""
+    after a prefill, measured on JFLEG prompts): a guard 25x wider."""
     exact = model.config._attn_implementation == EXACT_ATTENTION
     if model.dtype == torch.bfloat16:
         return 0.0 if exact else 0.25
@@ -216,9 +215,9 @@ def generate(
     drafter: proposes drafts (None: plain decoding). sampling: None for greedy (exact), else
     lossless speculative sampling with `generator` as the source of randomness. stop_strings need
     `tokenizer`. prefix_cache: an optional `PrefixCache` that reuses the KV of a shared prompt prefix.
-    tie_margin: greedy only; rows whose top two logits are closer are recomputed alone (default:
-    per dtype and attention, see `_tie_margin`). draft_sizes: a ladder of caps on draft nodes
-    (see `SizeLadder`); default `default_draft_sizes(model)`, () for none.
+    tie_margin: greedy only; rows whose top two logits are closer are recomputed as plain decoding
+    does (default: per dtype and attention, see `_tie_margin`). draft_sizes: a ladder of caps on
+    draft nodes (see `SizeLadder`); default `default_draft_sizes(model)`, () for none.
     """
     start = time.perf_counter()
     if isinstance(prompt, torch.Tensor):
@@ -277,8 +276,7 @@ def generate(
     # Each step drafts, then runs ONE forward over [fresh tokens, draft]. The first step is the
     # prefill, without a draft: a prefill that also verifies draft rows must run them in calls of
     # their own to round them as decode steps do (see exact_linear.py), which in an experiment on
-    # JFLEG sentences cost as much as the one extra step; without it the time to first token is
-    # plain decoding's.
+    # JFLEG sentences cost as much as the one extra step.
     while finish is None:
         room = max_new_tokens - len(new)
         if room <= 0:
