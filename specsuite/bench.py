@@ -157,9 +157,11 @@ def _summarize(runs: list[Run], greedy: list[Run], examples: list[Example], tok)
 
 def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: int = 128,
               draft_model_name: str | None = None, dtype: str | None = None,
-              methods: list[str] | None = None, tie_margin: float | None = None) -> dict:
+              methods: list[str] | None = None, tie_margin: float | None = None,
+              prefix_cache: bool = True) -> dict:
     """Run every applicable method on the first `n` prompts of `data`; returns the JSON report.
-    tie_margin: passed to our methods' `generate` (None: its default)."""
+    tie_margin: passed to our methods' `generate` (None: its default). prefix_cache: our methods
+    reuse the KV of the prompts' shared start as the app does (`PREFIX_CACHES`; False: never)."""
     model, tok = load_model(model_name, dtype=dtype)
     draft_model = load_model(draft_model_name, dtype=dtype)[0] if draft_model_name else None
     eos = sorted(eos_token_ids(model, tok))
@@ -169,7 +171,7 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     base = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
                 temperature=None, top_p=None, top_k=None)
     counter = _ForwardCounter(model)
-    prefix_cache = PREFIX_CACHES[task](model) if task in PREFIX_CACHES else None
+    prefix_cache = PREFIX_CACHES[task](model) if prefix_cache and task in PREFIX_CACHES else None
 
     def spec(e: Example, drafter: Drafter) -> Run:
         return _spec_run(model, e.prompt_ids, drafter, max_new_tokens, eos, tie_margin, prefix_cache)
@@ -255,7 +257,8 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"error: no such data file: {data}", file=sys.stderr)
         return 1
     report = run_bench(args.task, args.model, data, args.n, args.max_new_tokens, args.draft_model, args.dtype,
-                       args.methods.split(",") if args.methods else None, args.tie_margin)
+                       args.methods.split(",") if args.methods else None, args.tie_margin,
+                       not args.no_prefix_cache)
     cached = " · our methods reuse the shared instruction's KV" if report["spec_prefix_cache"] else ""
     print(f"\n{args.task} · {args.model} ({report['dtype']}) · n={report['n']} · max_new_tokens={args.max_new_tokens}{cached}")
     print(format_table(report))
@@ -287,6 +290,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", help="comma-separated subset of methods (hf_greedy always runs)")
     p.add_argument("--tie-margin", type=float, help="our methods: recompute rows whose top two logits are "
                    "closer than this (default: per dtype; 0 in bf16 with exact attention)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="gec: our methods compute the shared instruction for every sentence, as HF's do")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a bar chart of the speedups here (needs matplotlib)")
     p.set_defaults(func=_cmd)

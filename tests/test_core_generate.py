@@ -210,13 +210,33 @@ def test_fp32_drafts_climb_the_default_size_ladder():
     assert gen_mod.default_draft_sizes(model) == (3, 7, 15, 31)
     p = prompts(1, seed=3)[0]
     truth = hf_greedy(model, p, 60)
-    out = generate(model, p, OracleTreeDrafter(p, truth, seed=0), max_new_tokens=50, eos_token_id=[])
+    out = generate(model, p, OracleTreeDrafter(p, truth, seed=0), max_new_tokens=50, eos_token_id=[],
+                   prefill_draft=0)
     assert out.tokens == truth[:50]
     assert out.stats.drafted[1] <= 3 and max(out.stats.drafted) <= 31
     uncapped = generate(model, p, OracleTreeDrafter(p, truth, seed=0), max_new_tokens=50, eos_token_id=[],
-                        draft_sizes=())
+                        draft_sizes=(), prefill_draft=0)
     assert uncapped.tokens == truth[:50] and uncapped.stats.drafted[1] > 3
     assert gen_mod.default_draft_sizes(tiny_model("llama").to(torch.bfloat16)) == ()
+
+
+def test_fp32_prefill_verifies_a_draft_too():
+    """In fp32 on the CPU the prefill's forward also verifies a draft of up to 8 nodes: the output
+    stays greedy's with fewer forward passes. In bf16 the prefill drafts nothing by default."""
+    model = model_for("llama")
+    assert gen_mod.default_prefill_draft(model) == 8
+    for i, p in enumerate(prompts(6, seed=14, lengths=(2, 40))):
+        truth = hf_greedy(model, p, 30)
+        runs = {k: generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=25, eos_token_id=[],
+                            prefill_draft=k) for k in (None, 0, 3)}
+        for k, out in runs.items():
+            assert out.tokens == truth[:25], (i, k)
+        assert 0 < runs[None].stats.drafted[0] <= 8 and runs[3].stats.drafted[0] <= 3
+        assert runs[0].stats.drafted[0] == 0
+        assert runs[None].stats.forward_passes <= runs[0].stats.forward_passes
+    assert gen_mod.default_prefill_draft(tiny_model("llama").to(torch.bfloat16)) == 0
+    with pytest.raises(ValueError, match="prefill_draft"):
+        generate(model, [1, 2, 3], max_new_tokens=2, prefill_draft=-1)
 
 
 # ---- the tree attention mask ---------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The GEC app on the real small model: exactness against HF greedy, the corrector, the CLI."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from specsuite.apps.gec import corrector as corrector_module
 from specsuite.apps.gec.corrector import Correction, Corrector
 from specsuite.apps.gec.drafter import CopyDrafter
-from specsuite.apps.gec.prompt import gec_prompt_ids
+from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache
 from specsuite.cli import main as specsuite_main
 from specsuite.core import PromptLookupDrafter, TextPiece, eos_token_ids, generate
 
@@ -128,3 +129,17 @@ def test_drafted_generation_equals_hf_greedy(smollm2_fp32, sentences, hf_greedy,
                      max_new_tokens=MAX_NEW, eos_token_id=corrector.eos)
         assert g.tokens == expected, f"{name} differs from HF greedy on {text!r}"
         assert len(g.from_draft) == len(g.tokens)
+
+
+def test_corrector_reuses_the_instruction_and_keeps_greedy_output(smollm2_fp32, sentences, hf_greedy):
+    """In fp32 the corrector keeps the KV of its recent prompts: each sentence after the first
+    starts from the cached instruction, and the output is still HF's greedy output. In bf16 no
+    cache is kept by default (see lossless_by_default)."""
+    model, tok = smollm2_fp32
+    corrector = Corrector.from_loaded(model, tok, max_new_tokens=MAX_NEW)
+    assert corrector.prefix_cache is not None
+    for i, (text, expected) in enumerate(zip(sentences, hf_greedy)):
+        g = corrector._generate(text)
+        assert g.tokens == expected, f"differs from HF greedy on {text!r}"
+        assert (g.stats.cached_prompt_tokens > 0) == (i > 0)
+    assert instruction_cache(types.SimpleNamespace(dtype=torch.bfloat16, config=model.config)) is None
