@@ -104,16 +104,21 @@ class _FirstTokenClock(BaseStreamer):
 
 
 class _ForwardCounter:
-    """Counts forward passes of a model by wrapping its `forward`."""
+    """Counts forward passes of a model by wrapping its `forward`, until `remove()`."""
 
     def __init__(self, model) -> None:
-        self.count, self._forward = 0, model.forward
+        self.count, self._model, self._forward = 0, model, model.forward
 
         def counted(*args, **kwargs):
             self.count += 1
             return self._forward(*args, **kwargs)
 
         model.forward = counted
+
+    def remove(self) -> None:
+        """Give the model its own `forward` back (a wrapper left behind would be copied along
+        with the model, e.g. by `copy.deepcopy`, and keep calling this model)."""
+        del self._model.forward
 
 
 def _hf_run(model, counter, ids: list[int], config: GenerationConfig, assistant=None) -> Run:
@@ -195,12 +200,15 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
         runners = {k: v for k, v in runners.items() if k in methods or k == "hf_greedy"}
 
     names = list(runners)
-    for name in names:  # warm-up: first calls pay for kernel selection and allocation
-        runners[name](Example(examples[0].prompt_ids, examples[0].drafters))
     runs: dict[str, list[Run]] = {name: [] for name in names}
-    for i, example in enumerate(tqdm(examples, desc=f"bench {task}", unit="prompt", disable=None)):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            runs[name].append(runners[name](example))
+    try:
+        for name in names:  # warm-up: first calls pay for kernel selection and allocation
+            runners[name](Example(examples[0].prompt_ids, examples[0].drafters))
+        for i, example in enumerate(tqdm(examples, desc=f"bench {task}", unit="prompt", disable=None)):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                runs[name].append(runners[name](example))
+    finally:
+        counter.remove()
     report = {
         "task": task, "model": model_name, "n": len(examples), "max_new_tokens": max_new_tokens,
         "dtype": str(model.dtype).replace("torch.", ""), "draft_model": draft_model_name,

@@ -29,3 +29,4 @@ def test_gec_bench_compares_the_copy_drafter_with_hf_greedy(smollm2_fp32, jfleg,
     assert ours["new_tokens"] == report["methods"]["hf_greedy"]["new_tokens"] > 0
     assert 0 < ours["forwards_per_token"] <= 1.0 and ours["total_s"] > 0
     assert "spec_copy" in bench.format_table(report)
+    assert "forward" not in vars(smollm2_fp32[0])  # the forward counter is gone with the run
