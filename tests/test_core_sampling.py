@@ -302,16 +302,19 @@ class FixedDrafter(Drafter):
         return self.draft if len(tokens) == len(PROMPT) + 1 else None
 
 
-def run_many(model, drafter_factory, sampling: Sampling, n: int, seed: int):
+def run_many(model, drafter_factory, sampling: Sampling, n: int, seed: int, prefill_draft: int = 0):
+    """The empirical joint of the two tokens the scored step yields, and its accepted draft tokens:
+    the first step after the prefill (t2, t3), or with `prefill_draft` the prefill itself (t1, t2)."""
     g = torch.Generator().manual_seed(seed)
+    at = 0 if prefill_draft else 1
     pairs, accepted = [], []
     for _ in range(n):
-        # four tokens, so that the first step after the prefill may accept a draft two deep; the
-        # whole draft, uncapped (draft_sizes=()), is verified
+        # four tokens, so that the scored step may accept a draft two deep; the whole draft,
+        # uncapped (draft_sizes=()), is verified
         out = generate(model, PROMPT, drafter_factory(), max_new_tokens=4, sampling=sampling, generator=g,
-                       eos_token_id=[], draft_sizes=())
-        pairs.append((out.tokens[1], out.tokens[2]))
-        accepted.append(out.stats.accepted[1])
+                       eos_token_id=[], draft_sizes=(), prefill_draft=prefill_draft)
+        pairs.append((out.tokens[at], out.tokens[at + 1]))
+        accepted.append(out.stats.accepted[at])
     return empirical(pairs), accepted
 
 
@@ -344,6 +347,26 @@ def test_generate_with_a_draft_model_preserves_the_distribution(model, small):
     counts, accepted = run_many(
         model, lambda: DraftModelDrafter(small, max_tokens=2, initial_tokens=2, generator=draft_gen),
         sampling, 1500, seed=8)
+    assert_matches(counts, exact)
+    assert accepted.count(0) > 100 and accepted.count(2) > 100
+
+
+def test_a_draft_verified_in_the_prefill_preserves_the_distribution(model):
+    """The prefill's forward verifies a draft too (fp32 on the CPU by default): the joint of the
+    first two tokens is still the target's."""
+    sampling = Sampling()
+    with torch.inference_mode():
+        p1 = hf_probs(model(torch.tensor([PROMPT])).logits[0, -1:], sampling)[0]
+        p2 = hf_probs(model(torch.tensor([PROMPT + [t] for t in range(V)])).logits[:, -1], sampling)
+    exact = (p1[:, None] * p2).double()
+    a = int(p1.argsort(descending=True)[1])  # the second likeliest first token: often rejected
+    draft = Draft.chain([a, int(p2[a].argmax())])
+
+    class PrefillDrafter(Drafter):
+        def propose(self, tokens, max_depth):
+            return draft if len(tokens) == len(PROMPT) else None
+
+    counts, accepted = run_many(model, PrefillDrafter, sampling, 1500, seed=9, prefill_draft=2)
     assert_matches(counts, exact)
     assert accepted.count(0) > 100 and accepted.count(2) > 100
 
