@@ -122,11 +122,12 @@ def _tie_margin(model) -> float:
     return 1e-3
 
 
-# fp32 on the CPU: a verify step of 2-4 rows costs what a one-row step does, 5-8 rows ~1.5-1.7x,
-# 9-16 ~2-2.2x, 17-32 ~2.6-2.8x (`specsuite step-cost`, Qwen2.5-0.5B on an AVX2-only CPU, with
-# exact_linear's fp32 form). Replayed on 100 JFLEG outputs with such costs, drafts capped at 3 nodes
-# needed about a quarter less decode time than uncapped ones; the ladder, which grows on whole
-# acceptances, did as well there and lets long copies (summaries) draft more.
+# fp32 on the CPU: a verify step of 2-4 rows costs 1.1-1.2x a one-row step, 5-9 rows ~1.4-1.7x,
+# 16-17 ~2x, 32-33 ~2.7x (`specsuite step-cost`, Qwen2.5-0.5B on an AVX2-only CPU, with
+# exact_linear's fp32 kernels). Replayed on 100 JFLEG outputs with such costs, drafts capped at 3
+# nodes needed about a quarter less decode time than uncapped ones; the ladder, which grows on
+# whole acceptances, did as well there and lets long copies (summaries) draft more. (Replayed again
+# with the oneDNN kernels' costs: other ladders such as (3, 11, 31) within ~3%, uncapped 7% more.)
 FP32_CPU_DRAFT_SIZES = (3, 7, 15, 31)
 
 
