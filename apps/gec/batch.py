@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -106,8 +106,7 @@ def run_batch(
         limit = max_tokens if max_tokens is not None else corrector.context_limit
         rate_sum, rate_count = 0.0, 0
         with tqdm(total=total, initial=done.lines, unit="sent", disable=not progress, dynamic_ncols=True) as bar:
-            for number, raw in _lines(input_path, skip=done.lines):
-                record, fallback = _process(number, raw, fmt, field, corrector, limit)
+            for record, fallback in correct_lines(_lines(input_path, skip=done.lines), fmt, field, corrector, limit):
                 writer.write(record, fallback)
                 if "error" in record:
                     errors += 1
@@ -155,6 +154,15 @@ def _lines(path: Path, skip: int) -> Iterator[tuple[int, bytes]]:
             if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM (Windows editors)
                 raw = raw[3:]
             yield number, raw
+
+
+def correct_lines(
+    lines: Iterable[tuple[int, bytes]], fmt: str, field: str, corrector: CorrectorLike, limit: int
+) -> Iterator[tuple[dict, str | bytes]]:
+    """(record, what a `.txt` output writes for it) of each (number, raw line), in input order.
+    The unit of work of a job, on one machine or per block on a cluster."""
+    for number, raw in lines:
+        yield _process(number, raw, fmt, field, corrector, limit)
 
 
 def _process(
