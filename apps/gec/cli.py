@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from pathlib import Path
@@ -46,7 +47,10 @@ def _correct(args: argparse.Namespace) -> int:
     if message := _missing(args.input):
         return _fail(message)
     try:
-        summary = run_batch(args.input, args.output, lambda: _corrector(args), fmt=args.format, field=args.field)
+        if args.ray:
+            summary = _correct_on_ray(args)
+        else:
+            summary = run_batch(args.input, args.output, lambda: _corrector(args), fmt=args.format, field=args.field)
     except (OSError, ValueError, ResumeError, RuntimeError) as e:  # RuntimeError: the lock, model provisioning
         return _fail(str(e))
     resumed = f" ({summary.skipped_resumed} from an earlier run)" if summary.skipped_resumed else ""
@@ -56,6 +60,17 @@ def _correct(args: argparse.Namespace) -> int:
         where = args.output + ".errors.jsonl" if args.output.endswith(".txt") else args.output
         print(f"error and truncation records: {where}")
     return 1 if summary.errors else 0
+
+
+def _correct_on_ray(args: argparse.Namespace):
+    """The same job on a Ray cluster (apps/gec/distributed.py); BlockFailedError is a RuntimeError."""
+    from .distributed import run_ray_batch
+
+    settings = {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens}
+    factory = functools.partial(Corrector, **settings)  # pickled to every actor, which loads the model once
+    return run_ray_batch(args.input, args.output, factory, address=args.ray, workers=args.workers,
+                         threads_per_worker=args.threads_per_worker, fmt=args.format, field=args.field,
+                         block_lines=args.block_lines, job_info=settings)
 
 
 # ---- eval ------------------------------------------------------------------------------------
@@ -170,6 +185,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(errors in OUTPUT.errors.jsonl)")
     c.add_argument("--field", default="text", help="the text's field in .jsonl input (default text)")
     c.add_argument("--format", choices=["txt", "jsonl"], help="input format (default: from its extension)")
+    r = c.add_argument_group("on a Ray cluster (pip install -e '.[ray]'; INPUT must be readable at the same "
+                             "path on every node)")
+    r.add_argument("--ray", metavar="ADDRESS", help="'local' starts a cluster in this process; 'auto' or HOST:PORT "
+                   "joins one started with `ray start`")
+    r.add_argument("--workers", type=int, default=2, help="actors, each with its own model (default 2)")
+    r.add_argument("--threads-per-worker", type=int, default=1, help="CPUs (torch threads) per actor (default 1)")
+    r.add_argument("--block-lines", type=int, help="lines per block, the unit of retry and resume "
+                   "(default total / (4 x workers), at most 256; kept on resume)")
     _model_args(c)
     c.set_defaults(func=_correct)
 
