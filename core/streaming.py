@@ -39,15 +39,25 @@ class TextAssembler:
         return pieces
 
 
+class StreamClosed(Exception):
+    """Raised inside the generation of a stream its consumer closed early, to end it."""
+
+
 def stream(run: Callable[..., Generation], tokenizer, **kwargs) -> Iterator[TextPiece | Generation]:
     """Run `run(on_step=..., **kwargs)` (e.g. `functools.partial(generate, model, ids, drafter)`) in
-    a thread; yield TextPieces as steps are accepted, then the final Generation."""
+    a thread; yield TextPieces as steps are accepted, then the final Generation.
+
+    Closing the iterator early (a client gone, a time budget spent) ends the generation after
+    its current step; close() does not wait for that, as Gradio closes iterators in its event loop."""
     q: queue.Queue = queue.Queue()
     assembler = TextAssembler(tokenizer)
     done = object()
     result: dict = {}
+    closed = threading.Event()
 
     def on_step(tokens: list[int], flags: list[bool]) -> None:
+        if closed.is_set():  # nobody reads on: free the model instead of decoding to the end
+            raise StreamClosed("the stream was closed")
         for piece in assembler.push(tokens, flags):
             q.put(piece)
 
@@ -60,8 +70,11 @@ def stream(run: Callable[..., Generation], tokenizer, **kwargs) -> Iterator[Text
             q.put(done)
 
     threading.Thread(target=worker, daemon=True).start()
-    while (item := q.get()) is not done:
-        yield item
+    try:
+        while (item := q.get()) is not done:
+            yield item
+    finally:
+        closed.set()
     if "error" in result:
         raise result["error"]
     yield result["generation"]

@@ -72,9 +72,17 @@ def test_stream_keeps_paragraphs_and_whitespace(smollm2):
     assert final.text.startswith("  ") and final.text.endswith("\n") and "\n\n\t" in final.text
 
 
-def test_blank_text_needs_no_model(smollm2):
-    c = Corrector.from_loaded(*smollm2).correct(" \n\n ")
-    assert c.text == " \n\n " and c.edits == [] and not c.truncated and c.stats["forward_passes"] == 0
+def test_blank_or_oversized_text_is_refused_before_the_model(smollm2):
+    from specsuite.apps.limits import InputError
+
+    corrector = Corrector.from_loaded(*smollm2)
+    with pytest.raises(InputError, match="only whitespace"):
+        corrector.correct(" \n\n ")
+    with pytest.raises(InputError, match="must be a string"):
+        next(corrector.stream(None))
+    corrector.max_input_tokens = 5  # configurable, as `specsuite gec ui --max-input-tokens` does
+    with pytest.raises(InputError, match="limit is 5 tokens"):
+        corrector.correct("She go to school yesterday and we was late .")
 
 
 def test_truncation_is_reported(smollm2):

@@ -23,6 +23,7 @@ from specsuite.core.models import DEFAULT_MODEL, load_model
 
 from .drafter import CopyDrafter
 from .edits import Edit, word_diff
+from .limits import check_source
 from .prompt import gec_prompt_ids, instruction_cache
 from .segment import Segment, join_segments, split_segments
 
@@ -105,6 +106,7 @@ class Corrector:
         return split_segments(text, self.count_tokens, self.context_limit)
 
     def correct(self, text: str) -> Correction:
+        check_source(self, text)  # InputError for a non-string, blank or too long text
         segments = self.segments(text)
         return self._finish(text, segments, [self._generate(s.text) if s.text else None for s in segments])
 
@@ -115,6 +117,7 @@ class Corrector:
     def stream(self, text: str) -> Iterator[TextPiece | Correction]:
         """TextPieces of the correction as it is decoded (the whitespace between segments comes
         from the source, as from_draft=False pieces), then the final Correction."""
+        check_source(self, text)  # InputError for a non-string, blank or too long text
         segments = self.segments(text)
         generations: list[Generation | None] = []
         for seg in segments:

@@ -1,0 +1,103 @@
+"""Limits on one request to an app: input checks that fail fast with a clear message, before any
+model work, and a time budget after which the request ends with an error and frees the model.
+
+Each app has one validation place built on these checks (`RagQA.validate`, `gec.limits.check_source`),
+used by its web UI, its API endpoint, its Python API and its CLI."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+DEFAULT_TIME_BUDGET_S = 180.0  # per web request, waiting for the model included
+MAX_K = 50  # passages per question
+# A text longer than this many characters per allowed token is refused without tokenizing it
+# (natural text averages ~4 characters a token), so a huge input costs nothing to refuse.
+MAX_CHARS_PER_TOKEN = 16
+
+
+class InputError(ValueError):
+    """A request refused before any model work; the message says why, for the user."""
+
+
+class TimeBudgetExceeded(TimeoutError):
+    """A request ran past its time budget; its generation stops at its next step."""
+
+
+def _show(value: object, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def check_text(value: object, what: str, count_tokens: Callable[[str], int] | None = None,
+               max_tokens: int | None = None) -> str:
+    """`value` if it is a non-blank string of at most `max_tokens` tokens (by `count_tokens`),
+    else InputError naming `what` ("text", "question") and the limit."""
+    if not isinstance(value, str):
+        raise InputError(f"the {what} must be a string, got {type(value).__name__}: {_show(value)}")
+    if not value.strip():
+        raise InputError(f"the {what} is empty" if not value else f"the {what} is only whitespace")
+    if max_tokens is None or count_tokens is None:
+        return value
+    max_chars = max_tokens * MAX_CHARS_PER_TOKEN
+    if len(value) > max_chars:
+        raise InputError(f"the {what} is too long: {len(value):,} characters; the limit is {max_tokens:,} tokens "
+                         f"(at most {max_chars:,} characters)")
+    if (n := count_tokens(value)) > max_tokens:
+        raise InputError(f"the {what} is too long: {n:,} tokens; the limit is {max_tokens:,} tokens")
+    return value
+
+
+def check_k(k: object, max_k: int = MAX_K) -> int:
+    """The number of passages as an int in 1..max_k (a whole float, as a UI slider sends, counts)."""
+    whole = isinstance(k, int) or (isinstance(k, float) and k.is_integer())
+    if isinstance(k, bool) or not whole:
+        raise InputError(f"k (passages to retrieve) must be a whole number from 1 to {max_k}, got {_show(k)}")
+    if not 1 <= k <= max_k:
+        raise InputError(f"k (passages to retrieve) must be from 1 to {max_k}, got {int(k):,}")
+    return int(k)
+
+
+def check_limit(value: float | None, what: str) -> float | None:
+    """A configured limit: None (no limit) or a positive number."""
+    if value is not None and not value > 0:
+        raise ValueError(f"{what} must be positive, got {value}")
+    return value
+
+
+class Deadline:
+    """The time by which a request must end, `budget_s` seconds after it is made (None: never)."""
+
+    def __init__(self, budget_s: float | None) -> None:
+        self.budget_s = check_limit(budget_s, "the time budget")
+        self._end = None if budget_s is None else time.monotonic() + budget_s
+
+    def remaining(self) -> float | None:
+        return None if self._end is None else max(0.0, self._end - time.monotonic())
+
+    def check(self) -> None:
+        """Raise TimeBudgetExceeded once the time is up."""
+        if self._end is not None and time.monotonic() >= self._end:
+            raise TimeBudgetExceeded(f"the request ran past its time budget of {self.budget_s:g} s and was stopped")
+
+    def acquire(self, lock: threading.Lock) -> None:
+        """Take `lock` (the model, busy with another request), waiting at most the time left."""
+        left = self.remaining()
+        if not lock.acquire(timeout=-1 if left is None else left):
+            raise TimeBudgetExceeded(f"the model was busy with other requests for the whole time budget of "
+                                     f"{self.budget_s:g} s; try again later")
+
+    def on_step(self, inner: Callable | None = None) -> Callable:
+        """A `generate(on_step=...)` callback that calls `inner`, then ends the generation (by
+        raising) once the time is up: the model stops at the step after the deadline."""
+        def step(tokens: list[int], flags: list[bool]) -> None:
+            if inner is not None:
+                inner(tokens, flags)
+            self.check()
+
+        return step
+
+
+SHARE_WARNING = ("warning: --share makes this app public: anyone with the gradio.live link can use it and "
+                 "run the model on this machine while it runs")
