@@ -6,6 +6,7 @@ used by its web UI, its API endpoint, its Python API and its CLI."""
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +65,24 @@ def check_limit(value: float | None, what: str) -> float | None:
     if value is not None and not value > 0:
         raise ValueError(f"{what} must be positive, got {value}")
     return value
+
+
+def time_budget_arg(text: str) -> float | None:
+    """argparse type of `--time-budget`: seconds, 0 for no limit (None)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0: no limit), got {text!r}")
+    return value or None
+
+
+def token_limit_arg(text: str) -> int:
+    """argparse type of a token limit: a positive integer."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens, got {text!r}")
+    return int(text)
 
 
 class Deadline:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specsuite.apps import limits
 from specsuite.core.models import DEFAULT_MODEL
 
 from .batch import ResumeError, run_batch
@@ -155,13 +156,16 @@ def _demo(args: argparse.Namespace) -> int:
 # ---- ui --------------------------------------------------------------------------------------
 
 def _ui(args: argparse.Namespace) -> int:
+    if args.share:
+        print(limits.SHARE_WARNING, file=sys.stderr)
     try:
         corrector = _corrector(args)
     except (ValueError, RuntimeError) as e:
         return _fail(str(e))
+    corrector.max_input_tokens = args.max_input_tokens  # None: the corrector's context_limit (gec/limits.py)
     from .ui import launch  # gradio takes seconds to import: only for this command
 
-    launch(corrector, host=args.host, port=args.port, share=args.share)
+    launch(corrector, host=args.host, port=args.port, share=args.share, time_budget_s=args.time_budget)
     return 0
 
 
@@ -211,6 +215,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     u = gsub.add_parser("ui", help="launch the Gradio web UI")
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=7860)
-    u.add_argument("--share", action="store_true", help="also open a public Gradio share link")
+    u.add_argument("--share", action="store_true", help="also open a public Gradio share link (the app becomes public)")
+    u.add_argument("--max-input-tokens", type=limits.token_limit_arg, metavar="N",
+                   help="longest text accepted (default: the segment limit, 1024 tokens for the presets)")
+    u.add_argument("--time-budget", type=limits.time_budget_arg, default=limits.DEFAULT_TIME_BUDGET_S, metavar="S",
+                   help="seconds a request may take, waiting included (default 180; 0: no limit)")
     _model_args(u)
     u.set_defaults(func=_ui)

@@ -1,10 +1,22 @@
 """The grammar-correction web UI: the correction streams in, showing which text the model only
 had to confirm (copied from an accepted draft) and which it wrote itself; then the word-level edits
-and the speed of the call."""
+and the speed of the call.
+
+The app also serves a plain JSON endpoint for programs:
+
+    from gradio_client import Client
+    Client("http://127.0.0.1:7860/").predict("She go to school yesterday .", api_name="/correct")
+
+A bad request (an empty text, one over the token limit, a wrong type) is refused at once with a
+`gr.Error` naming the problem (gradio_client raises it as an AppError), and a request that runs
+past the time budget ends with one. Events run concurrently, so a refusal never waits behind
+another request; corrections take turns on the model (a lock), each within its time budget.
+"""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from html import escape
 
@@ -12,9 +24,11 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 
 import gradio as gr
 
+from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, Deadline, InputError, TimeBudgetExceeded, check_limit
 from specsuite.core import TextPiece
 
 from .corrector import Correction, Corrector, demo_sentences
+from .limits import check_source
 
 DRAFT_STYLE = "background:#dbeafe;border-radius:3px"  # light blue: confirmed in one verify pass
 DEL_STYLE = "color:#b91c1c;background:#fee2e2;text-decoration:line-through"
@@ -68,20 +82,54 @@ def stats_html(correction: Correction) -> str:
     return f"<table>{cells}</table>{note}"
 
 
-def build_app(corrector: Corrector) -> gr.Blocks:
-    """The Blocks app around one loaded corrector."""
+def correction_json(correction: Correction) -> dict:
+    """What the `correct` endpoint returns (the fields of a batch job's record)."""
+    return {"source": correction.source, "correction": correction.text,
+            "edits": [e.to_dict() for e in correction.edits], "stats": correction.stats,
+            "truncated": correction.truncated}
+
+
+def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S) -> gr.Blocks:
+    """The Blocks app around one loaded corrector, with the `correct` API endpoint.
+    time_budget_s: seconds a request may take (None: no limit), waiting for the model included."""
+    check_limit(time_budget_s, "the time budget")
+    model = threading.Lock()  # one correction at a time; others wait within their time budget
+
+    def corrections(text: object) -> Iterator[TextPiece | Correction]:
+        """`corrector.stream(text)` within the time budget; InputError or TimeBudgetExceeded."""
+        deadline = Deadline(time_budget_s)
+        check_source(corrector, text)  # refused here, before waiting for the model
+        deadline.acquire(model)
+        try:
+            items = corrector.stream(text)
+            try:
+                for item in items:
+                    deadline.check()
+                    yield item
+            finally:
+                items.close()  # left early: the generation stops at its next step
+        finally:
+            model.release()
 
     def run(text: str) -> Iterator[tuple[str, str, str]]:
-        if not text or not text.strip():
-            yield "", "", "<p>Nothing to correct.</p>"
-            return
         pieces: list[TextPiece] = []
-        for item in corrector.stream(text):
-            if isinstance(item, TextPiece):
-                pieces.append(item)
-                yield origin_html(pieces), "", "<p>correcting…</p>"
-            else:
-                yield origin_html(pieces), diff_html(item), stats_html(item)
+        try:
+            for item in corrections(text):
+                if isinstance(item, TextPiece):
+                    pieces.append(item)
+                    yield origin_html(pieces), "", "<p>correcting…</p>"
+                else:
+                    yield origin_html(pieces), diff_html(item), stats_html(item)
+        except (InputError, TimeBudgetExceeded) as e:
+            raise gr.Error(str(e), print_exception=False) from None
+
+    def correct(text: str) -> dict:
+        """Correct `text`: source, correction, edits (spans of source and correction), stats, truncated."""
+        try:
+            *_, final = corrections(text)
+        except (InputError, TimeBudgetExceeded) as e:
+            raise gr.Error(str(e), print_exception=False) from None
+        return correction_json(final)
 
     with gr.Blocks(title="specsuite · grammar correction") as app:
         gr.Markdown("## Grammar correction\nSpeculative decoding drafted from the text itself: unchanged "
@@ -96,13 +144,16 @@ def build_app(corrector: Corrector) -> gr.Blocks:
         diff = gr.HTML(elem_id="gec-diff")
         gr.Markdown("### Speed")
         stats = gr.HTML(elem_id="gec-stats")
-        button.click(run, inputs=source, outputs=[output, diff, stats])
+        # No concurrency limit: a request is checked (and a bad one refused) at once, not behind a
+        # running one; the corrections themselves take turns on the model (the lock above).
+        button.click(run, inputs=source, outputs=[output, diff, stats], concurrency_limit=None)
+        gr.api(correct, api_name="correct", concurrency_limit=None)
     return app
 
 
 def launch(corrector: Corrector, host: str = "127.0.0.1", port: int = 7860, share: bool = False,
-           prevent_thread_lock: bool = False) -> gr.Blocks:
+           prevent_thread_lock: bool = False, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S) -> gr.Blocks:
     """Build the app and serve it (blocking unless `prevent_thread_lock`); returns the app."""
-    app = build_app(corrector)
+    app = build_app(corrector, time_budget_s)
     app.queue().launch(server_name=host, server_port=port, share=share, prevent_thread_lock=prevent_thread_lock)
     return app

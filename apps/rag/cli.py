@@ -10,8 +10,10 @@ The model and heavy libraries load inside the handlers, so `specsuite --help` st
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from specsuite.apps import limits
 from specsuite.core.models import DEFAULT_MODEL, cache_dir
 from specsuite.retrieval import cli as retrieval_cli
 
@@ -30,7 +32,7 @@ def _load_qa(args: argparse.Namespace, index_dir: str | Path):
 
     return RagQA(str(index_dir), model=args.model, drafter=args.drafter,
                  prefix_cache_bytes=0 if getattr(args, "no_prefix_cache", False) else None,
-                 max_new_tokens=args.max_new_tokens)
+                 max_new_tokens=args.max_new_tokens, max_question_tokens=args.max_question_tokens)
 
 
 def _print_answer(answer) -> None:
@@ -50,6 +52,9 @@ def _print_answer(answer) -> None:
 
 def _ask(args: argparse.Namespace) -> int:
     try:
+        # What needs no model is checked before loading it; qa.ask checks the rest (the token limit).
+        limits.check_text(args.question, "question")
+        limits.check_k(args.k)
         qa = _load_qa(args, args.index_dir)
         _print_answer(qa.ask(args.question, args.k))
     except retrieval_cli._errors() as e:
@@ -64,7 +69,10 @@ def _ui(args: argparse.Namespace) -> int:
         return retrieval_cli._fail(e)
     from .ui import build_app
 
-    build_app(qa).launch(server_name=args.host, server_port=args.port)
+    if args.share:
+        print(limits.SHARE_WARNING, file=sys.stderr)
+    build_app(qa, time_budget_s=args.time_budget).launch(server_name=args.host, server_port=args.port,
+                                                         share=args.share)
     return 0
 
 
@@ -101,6 +109,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="reference",
                    help="reference: copy from the passages (default); none: plain decoding")
     p.add_argument("--max-new-tokens", type=retrieval_cli._positive_int, default=256, metavar="N")
+    p.add_argument("--max-question-tokens", type=limits.token_limit_arg, metavar="N",
+                   help="longest question accepted (default: the model's context less --max-new-tokens)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -121,6 +131,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("index_dir", metavar="INDEX_DIR")
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=7861)
+    u.add_argument("--share", action="store_true", help="also open a public Gradio share link (the app becomes public)")
+    u.add_argument("--time-budget", type=limits.time_budget_arg, default=limits.DEFAULT_TIME_BUDGET_S, metavar="S",
+                   help="seconds a request may take, waiting included (default 180; 0: no limit)")
     _model_options(u)
     u.add_argument("--no-prefix-cache", action="store_true", help="do not reuse prompt KV across questions")
     u.set_defaults(func=_ui)

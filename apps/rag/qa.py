@@ -18,8 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 
+from specsuite.apps.limits import Deadline, InputError, check_k, check_limit, check_text
 from specsuite.core import (Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece,
                             eos_token_ids, generate, stream)
+from specsuite.core.generate import context_length
 from specsuite.core.models import DEFAULT_MODEL, load_model
 from specsuite.core.prefix_cache import lossless_by_default
 
@@ -115,32 +117,42 @@ class RagQA:
         follow-up question over the same passages then only computes the question's tokens.
         Default (None): 1 GiB in fp32, off in other dtypes, where the cached prompt's rows can round
         otherwise than a whole prefill and flip a later token (see the README's *Exactness*).
+    max_question_tokens: the longest question accepted (default: what fits the model's context with
+        the answer budget `max_new_tokens`). Every entry point checks its input first (`validate`):
+        a bad question or k is an InputError before any model work.
     """
 
     def __init__(self, index_dir: str | None = None, model: str = DEFAULT_MODEL, drafter: str = "reference",
-                 prefix_cache_bytes: int | None = None, max_new_tokens: int = 256, dtype: str | None = None) -> None:
+                 prefix_cache_bytes: int | None = None, max_new_tokens: int = 256, dtype: str | None = None,
+                 max_question_tokens: int | None = None) -> None:
         index = None
         if index_dir is not None:
             from specsuite.retrieval import PassageIndex
 
             index = PassageIndex.load(index_dir)
         loaded, tokenizer = load_model(model, dtype=dtype)
-        self._setup(loaded, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens)
+        self._setup(loaded, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens)
 
     @classmethod
     def from_loaded(cls, model, tokenizer, index: "PassageIndex | None" = None, drafter: str = "reference",
-                    prefix_cache_bytes: int | None = None, max_new_tokens: int = 256) -> "RagQA":
+                    prefix_cache_bytes: int | None = None, max_new_tokens: int = 256,
+                    max_question_tokens: int | None = None) -> "RagQA":
         """A RagQA over an already loaded model, tokenizer and index (tests, notebooks)."""
         qa = cls.__new__(cls)
-        qa._setup(model, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens)
+        qa._setup(model, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens)
         return qa
 
     def _setup(self, model, tokenizer, index, drafter: str, prefix_cache_bytes: int | None,
-               max_new_tokens: int) -> None:
+               max_new_tokens: int, max_question_tokens: int | None) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
         self.model, self.tokenizer, self.index = model, tokenizer, index
         self.drafter, self.max_new_tokens = drafter, max_new_tokens
+        self.context = context_length(model)
+        if self.max_new_tokens >= self.context:
+            raise ValueError(f"max_new_tokens ({max_new_tokens}) leaves no room in the model's context ({self.context})")
+        self.max_question_tokens = int(check_limit(max_question_tokens, "max_question_tokens")
+                                       or self.context - max_new_tokens)
         if prefix_cache_bytes is None:
             prefix_cache_bytes = DEFAULT_PREFIX_CACHE_BYTES if lossless_by_default(model) else 0
         self.prefix_cache = PrefixCache(model.config, max_bytes=prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -148,6 +160,15 @@ class RagQA:
         self._lock = threading.Lock()  # one generation at a time: the model and cache are shared
 
     # -- the steps --------------------------------------------------------------------------------
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def validate(self, question: object, k: object = None) -> tuple[str, int | None]:
+        """The question and k (None: not asked for) if they can be answered, else InputError: the
+        one check of every entry point (Python API, CLI, web UI and its `ask` endpoint)."""
+        question = check_text(question, "question", self.count_tokens, self.max_question_tokens)
+        return question, None if k is None else check_k(k)
 
     def retrieve(self, question: str, k: int = 5) -> list[tuple["Passage", float]]:
         if self.index is None:
@@ -159,10 +180,14 @@ class RagQA:
             return ReferenceDrafter.for_passages(self.tokenizer, passages)
         return PromptLookupDrafter() if self.drafter == "prompt-lookup" else NoDrafter()
 
-    def _generate(self, prompt: list[int], drafter: Drafter, on_step=None) -> Generation:
-        with self._lock:
+    def _generate(self, prompt: list[int], drafter: Drafter, deadline: Deadline, on_step=None) -> Generation:
+        deadline.acquire(self._lock)  # waits for another request's generation, within the budget
+        try:
+            deadline.check()
             return generate(self.model, prompt, drafter, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
-                            on_step=on_step, prefix_cache=self.prefix_cache)
+                            on_step=deadline.on_step(on_step), prefix_cache=self.prefix_cache)
+        finally:
+            self._lock.release()
 
     def _finish(self, question: str, scored: list[Scored], generation: Generation,
                 extra: dict[str, Any]) -> Answer:
@@ -176,13 +201,21 @@ class RagQA:
 
     def _request(self, question: str, scored: list[Scored]) -> tuple[list[int], Drafter]:
         bodies = [passage_body(p) for p, _ in scored]
-        return rag_prompt_ids(self.tokenizer, question, bodies), self.make_drafter(bodies)
+        prompt = rag_prompt_ids(self.tokenizer, question, bodies)
+        if len(prompt) + self.max_new_tokens > self.context:
+            raise InputError(f"the question and its {len(bodies)} passages take {len(prompt):,} tokens; with the "
+                             f"answer budget of {self.max_new_tokens:,} tokens the model's context of "
+                             f"{self.context:,} holds {self.context - self.max_new_tokens:,}: ask a shorter "
+                             "question or use fewer passages")
+        return prompt, self.make_drafter(bodies)
 
-    def _complete(self, question: str, scored: list[Scored], extra: dict[str, Any]) -> Answer:
-        return self._finish(question, scored, self._generate(*self._request(question, scored)), extra)
+    def _complete(self, question: str, scored: list[Scored], extra: dict[str, Any], deadline: Deadline) -> Answer:
+        return self._finish(question, scored, self._generate(*self._request(question, scored), deadline), extra)
 
-    def _stream(self, question: str, scored: list[Scored], extra: dict[str, Any]) -> Iterator[TextPiece | Answer]:
-        for item in stream(functools.partial(self._generate, *self._request(question, scored)), self.tokenizer):
+    def _stream(self, question: str, scored: list[Scored], extra: dict[str, Any],
+                deadline: Deadline) -> Iterator[TextPiece | Answer]:
+        run = functools.partial(self._generate, *self._request(question, scored), deadline)
+        for item in stream(run, self.tokenizer):
             yield item if isinstance(item, TextPiece) else self._finish(question, scored, item, extra)
 
     def _retrieve_timed(self, question: str, k: int) -> tuple[list[Scored], dict[str, Any]]:
@@ -191,22 +224,35 @@ class RagQA:
         return scored, {"retrieval_s": round(time.perf_counter() - start, 4)}
 
     # -- the API --------------------------------------------------------------------------------
+    # Each entry point validates its input first (InputError). time_budget_s: seconds the call may
+    # take, waiting for another call's generation included; past it, TimeBudgetExceeded ends the
+    # generation at its next step (None: no limit).
 
-    def answer(self, question: str, passages: Sequence[PassageLike | Scored]) -> Answer:
+    def answer(self, question: str, passages: Sequence[PassageLike | Scored], *,
+               time_budget_s: float | None = None) -> Answer:
         """Answer from caller-given passages (strings, Passages, or (passage, score) pairs)."""
-        return self._complete(question, _as_scored(passages), {})
+        deadline = Deadline(time_budget_s)
+        question, _ = self.validate(question)
+        return self._complete(question, _as_scored(passages), {}, deadline)
 
-    def ask(self, question: str, k: int = 5) -> Answer:
+    def ask(self, question: str, k: int = 5, *, time_budget_s: float | None = None) -> Answer:
         """Retrieve the `k` passages nearest to the question, then answer from them."""
-        return self._complete(question, *self._retrieve_timed(question, k))
+        deadline = Deadline(time_budget_s)
+        question, k = self.validate(question, k)
+        return self._complete(question, *self._retrieve_timed(question, k), deadline)
 
-    def stream_answer(self, question: str, passages: Sequence[PassageLike | Scored]) -> Iterator[TextPiece | Answer]:
+    def stream_answer(self, question: str, passages: Sequence[PassageLike | Scored], *,
+                      time_budget_s: float | None = None) -> Iterator[TextPiece | Answer]:
         """Like `answer`, yielding TextPieces as they are decoded, then the Answer."""
-        return self._stream(question, _as_scored(passages), {})
+        deadline = Deadline(time_budget_s)
+        question, _ = self.validate(question)
+        return self._stream(question, _as_scored(passages), {}, deadline)
 
-    def stream_ask(self, question: str, k: int = 5) -> Iterator[TextPiece | Answer]:
+    def stream_ask(self, question: str, k: int = 5, *, time_budget_s: float | None = None) -> Iterator[TextPiece | Answer]:
         """Like `ask`, yielding TextPieces as they are decoded, then the Answer."""
-        return self._stream(question, *self._retrieve_timed(question, k))
+        deadline = Deadline(time_budget_s)
+        question, k = self.validate(question, k)
+        return self._stream(question, *self._retrieve_timed(question, k), deadline)
 
 
 def _as_scored(passages: Sequence[PassageLike | Scored]) -> list[Scored]:

@@ -5,6 +5,11 @@ The app also serves a plain JSON endpoint for programs:
 
     from gradio_client import Client
     Client("http://127.0.0.1:7861/").predict("Who commanded Apollo 11?", 5, api_name="/ask")
+
+A bad request (an empty or too long question, k outside 1..50, a wrong type) is refused at once
+with a `gr.Error` naming the problem (gradio_client raises it as an AppError), and a request that
+runs past the time budget ends with one. Events run concurrently, so a refusal never waits behind
+another request; the generations themselves take turns on the model (RagQA's lock).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Iterator, Sequence
 
 import gradio as gr
 
+from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, InputError, TimeBudgetExceeded, check_limit
 from specsuite.core import TextPiece
 
 from .qa import RagQA, Scored, copied_spans, passage_body
@@ -72,30 +78,38 @@ def passages_html(scored: Sequence[Scored], cited: Sequence[int] = ()) -> str:
     return "".join(items) or '<p class="hint">No passages.</p>'
 
 
-def build_app(qa: RagQA, k: int = 5) -> gr.Blocks:
-    """The Gradio app over `qa`; elem_ids: question, k, ask, answer, passages, stats."""
+def build_app(qa: RagQA, k: int = 5, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S) -> gr.Blocks:
+    """The Gradio app over `qa`; elem_ids: question, k, ask, answer, passages, stats.
+    time_budget_s: seconds a request may take (None: no limit), waiting for the model included."""
+    check_limit(time_budget_s, "the time budget")
 
     def run(question: str, k: float) -> Iterator[tuple[Any, Any, Any]]:
-        if not question.strip():
-            yield '<p class="hint">Type a question first.</p>', "", {}
-            return
-        start = time.perf_counter()
-        scored = list(qa.retrieve(question, int(k)))
-        retrieval_s = round(time.perf_counter() - start, 4)
-        bodies = [passage_body(p) for p, _ in scored]
-        yield '<p class="hint">Answering…</p>', passages_html(scored), {}
-        text = ""
-        for item in qa.stream_answer(question, scored):
-            if isinstance(item, TextPiece):
-                text += item.text
-                yield answer_html(text, copied_spans(text, bodies), len(scored)), gr.skip(), gr.skip()
-            else:
-                yield (answer_html(item.text, item.spans, len(scored)), passages_html(scored, item.citations),
-                       {"retrieval_s": retrieval_s, **item.stats})
+        try:
+            start = time.perf_counter()
+            question, k = qa.validate(question, k)
+            scored = list(qa.retrieve(question, k))
+            retrieval_s = round(time.perf_counter() - start, 4)
+            bodies = [passage_body(p) for p, _ in scored]
+            yield '<p class="hint">Answering…</p>', passages_html(scored), {}
+            # What is left of the request's budget after the retrieval.
+            left = None if time_budget_s is None else max(1e-3, time_budget_s - (time.perf_counter() - start))
+            text = ""
+            for item in qa.stream_answer(question, scored, time_budget_s=left):
+                if isinstance(item, TextPiece):
+                    text += item.text
+                    yield answer_html(text, copied_spans(text, bodies), len(scored)), gr.skip(), gr.skip()
+                else:
+                    yield (answer_html(item.text, item.spans, len(scored)), passages_html(scored, item.citations),
+                           {"retrieval_s": retrieval_s, **item.stats})
+        except (InputError, TimeBudgetExceeded) as e:
+            raise gr.Error(str(e), print_exception=False) from None
 
     def ask(question: str, k: int = 5) -> dict:
         """Answer `question` from the `k` nearest passages: answer, citations, passages, spans, stats."""
-        return qa.ask(question, int(k)).to_json()
+        try:
+            return qa.ask(question, k, time_budget_s=time_budget_s).to_json()
+        except (InputError, TimeBudgetExceeded) as e:
+            raise gr.Error(str(e), print_exception=False) from None
 
     with gr.Blocks(title="specsuite · RAG") as app:
         gr.Markdown("## Ask your documents\nAnswers are drafted from the retrieved passages; "
@@ -112,7 +126,10 @@ def build_app(qa: RagQA, k: int = 5) -> gr.Blocks:
                 passages = gr.HTML(elem_id="passages", css_template=CSS)
             with gr.Column(scale=2):
                 stats = gr.JSON(label="Stats", elem_id="stats")
+        # No concurrency limit: a request is checked (and a bad one refused) at once, not behind a
+        # running one; generations take turns on the model in RagQA, each within its time budget.
         for event in (button.click, question.submit):
-            event(run, [question, passages_k], [answer, passages, stats], api_visibility="undocumented")
-        gr.api(ask, api_name="ask")
+            event(run, [question, passages_k], [answer, passages, stats], api_visibility="undocumented",
+                  concurrency_limit=None)
+        gr.api(ask, api_name="ask", concurrency_limit=None)
     return app
