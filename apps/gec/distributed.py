@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from collections import Counter, deque
@@ -252,8 +253,10 @@ def _short(error: BaseException) -> str:
     cause = getattr(error, "cause", None)  # RayTaskError: the actor's own exception
     if isinstance(cause, BaseException):
         return f"{type(cause).__name__}: {cause}"
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {first[:300]}"
+    lines = [line for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines() if line.strip()]
+    if getattr(error, "actor_init_failed", False) and lines:  # the message ends with the exception raised
+        return f"the actor failed to start: {lines[-1].strip()}"
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
 
 
 def _connect(address: str) -> bool:
