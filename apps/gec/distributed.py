@@ -16,7 +16,7 @@ a block that fails `max_attempts` times ends the job with `BlockFailedError` nam
 Why plain Ray actors and not Ray Data's `map_batches`: Ray Data retries failed actor tasks on its
 own terms, so a block that keeps killing its actor could neither be counted nor named, and its
 progress bars count rows per operator, not lines done and errors. A driver loop over a few actors
-gives those guarantees in a few dozen lines, and starts in well under a second on a running cluster.
+gives those guarantees in a few dozen lines.
 """
 
 from __future__ import annotations
