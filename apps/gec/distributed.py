@@ -311,8 +311,11 @@ def run_ray_batch(
     parts = Parts(output_path)
     total = count_lines(input_path)
     if output_path.exists() and not parts.dir.exists():
-        lines, errors, warnings = _counts(output_path, output_path.with_name(output_path.name + SIDECAR)
-                                          if parts.text else None)
+        try:
+            lines, errors, warnings = _counts(output_path, output_path.with_name(output_path.name + SIDECAR)
+                                              if parts.text else None)
+        except ValueError:  # a partial last record: not a finished output
+            lines = errors = warnings = -1
         if lines == total:  # a finished job (Ray or one-machine): nothing to redo
             return BatchSummary(total, total - errors, errors, total, warnings)
         raise ResumeError(f"{output_path} exists but is not a finished output and has no {parts.dir}: "
