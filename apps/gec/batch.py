@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
@@ -160,51 +161,90 @@ def correct_lines(
     lines: Iterable[tuple[int, bytes]], fmt: str, field: str, corrector: CorrectorLike, limit: int
 ) -> Iterator[tuple[dict, str | bytes]]:
     """(record, what a `.txt` output writes for it) of each (number, raw line), in input order.
-    The unit of work of a job, on one machine or per block on a cluster."""
-    for number, raw in lines:
-        yield _process(number, raw, fmt, field, corrector, limit)
+    The unit of work of a job, on one machine or per block on a cluster. Lines are read lazily:
+    a corrector with `correct_each` (the batched engine) gets the texts of many lines at once."""
+    correct_each = getattr(corrector, "correct_each", None)
+    if correct_each is None:
+        for number, raw in lines:
+            record, fallback, text = _parse(number, raw, fmt, field, corrector, limit)
+            yield (record, fallback) if text is None else _corrected(record, fallback, text, _attempt(corrector, text))
+        return
+    parsed: deque[tuple[dict, str | bytes, str | None]] = deque()  # read, not yet written
+
+    def texts() -> Iterator[str]:
+        for number, raw in lines:
+            parsed.append(_parse(number, raw, fmt, field, corrector, limit))
+            if parsed[-1][2] is not None:
+                yield parsed[-1][2]
+
+    def errors_first() -> Iterator[tuple[dict, str | bytes]]:
+        while parsed and parsed[0][2] is None:
+            record, fallback, _ = parsed.popleft()
+            yield record, fallback
+
+    for result in correct_each(texts()):
+        yield from errors_first()
+        record, fallback, text = parsed.popleft()
+        yield _corrected(record, fallback, text, result)
+    yield from errors_first()
 
 
-def _process(
+def _attempt(corrector: CorrectorLike, text: str) -> Any:
+    """The correction of `text`, or the exception it raised (a failure on one text must not end the job)."""
+    try:
+        return corrector.correct(text)
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+def _parse(
     number: int, raw: bytes, fmt: str, field: str, corrector: CorrectorLike, limit: int
-) -> tuple[dict, str | bytes]:
-    """The record of one line, and what a `.txt` output writes if it is an error."""
+) -> tuple[dict, str | bytes, str | None]:
+    """(record so far, what a `.txt` output writes if it is an error, the text to correct): the
+    record is an error record, and the text None, if the line cannot be corrected."""
     fields: dict[str, Any] = {}
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return _error(number, fields, f"invalid UTF-8 at byte {e.start}", input=_show(raw)), raw
+        return _error(number, fields, f"invalid UTF-8 at byte {e.start}", input=_show(raw)), raw, None
     if fmt == "txt":
         text: Any = line
     else:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            return _error(number, fields, f"malformed JSON: {e}", input=line), b""
+            return _error(number, fields, f"malformed JSON: {e}", input=line), b"", None
         if not isinstance(obj, dict):
-            return _error(number, fields, f"not a JSON object but {type(obj).__name__}", input=line), b""
+            return _error(number, fields, f"not a JSON object but {type(obj).__name__}", input=line), b"", None
         fields = {k: v for k, v in obj.items() if k != field}
         if field not in obj:
-            return _error(number, fields, f"missing field {field!r}"), b""
+            return _error(number, fields, f"missing field {field!r}"), b"", None
         text = obj[field]
         if not isinstance(text, str):
-            return _error(number, fields, f"field {field!r} is {type(text).__name__}, not a string"), b""
+            return _error(number, fields, f"field {field!r} is {type(text).__name__}, not a string"), b"", None
     fallback = text.encode("utf-8")
     if not text.strip():
-        return _error(number, fields, "empty text", source=text), fallback
+        return _error(number, fields, "empty text", source=text), fallback, None
     try:
         n_tokens = corrector.count_tokens(text)
-        if n_tokens > limit:
-            return _error(number, fields, f"too long: {n_tokens} tokens > limit {limit}", source=text), fallback
-        correction = corrector.correct(text)
     except Exception as e:  # a failure on one text must not end the job
-        return _error(number, fields, f"correction failed: {type(e).__name__}: {e}", source=text), fallback
-    record = {
-        "line": number, **fields, "source": text, "correction": correction.text,
+        return _error(number, fields, f"correction failed: {type(e).__name__}: {e}", source=text), fallback, None
+    if n_tokens > limit:
+        return _error(number, fields, f"too long: {n_tokens} tokens > limit {limit}", source=text), fallback, None
+    return {"line": number, **fields}, fallback, text
+
+
+def _corrected(record: dict, fallback: str | bytes, text: str, correction: Any) -> tuple[dict, str | bytes]:
+    """The record of a parsed line (`record`: its number and fields) from its correction, or the
+    exception its correction raised."""
+    if isinstance(correction, Exception):
+        error = f"correction failed: {type(correction).__name__}: {correction}"
+        return {**record, "source": text, "error": error}, fallback
+    return {
+        **record, "source": text, "correction": correction.text,
         "edits": [_edit_dict(e) for e in correction.edits],
         "stats": dict(correction.stats or {}), "truncated": bool(correction.truncated),
-    }
-    return record, fallback
+    }, fallback
 
 
 def _error(number: int, fields: dict, message: str, **extra: Any) -> dict:

@@ -14,12 +14,13 @@ from specsuite.apps import limits
 from specsuite.core.models import DEFAULT_MODEL
 
 from .batch import ResumeError, run_batch
-from .corrector import DRAFTERS, Corrector, combine_stats, demo_sentences
+from .corrector import DEFAULT_BATCH_SIZE, DRAFTERS, Corrector, combine_stats, demo_sentences
 from .gleu import corpus_gleu, read_tokenized, tokenize
 
 
 def _corrector(args: argparse.Namespace) -> Corrector:
-    return Corrector(args.model, args.drafter, args.dtype, args.max_new_tokens)
+    batch_size = 1 if getattr(args, "exact", False) else getattr(args, "batch_size", DEFAULT_BATCH_SIZE)
+    return Corrector(args.model, args.drafter, args.dtype, args.max_new_tokens, batch_size)
 
 
 def _missing(*paths: str) -> str | None:
@@ -177,6 +178,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="copy", help="how drafts are made (default copy)")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
     p.add_argument("--max-new-tokens", type=int, help="per segment (default 2 x its tokens + 16)")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help=f"texts decoded together by the batched engine (default {DEFAULT_BATCH_SIZE}); the UI "
+                   "corrects one text at a time")
+    p.add_argument("--exact", action="store_true", help="one text at a time, token for token what plain greedy "
+                   "decoding writes (the batched engine may differ on near-ties, as batched HF generate() does)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -18,16 +18,21 @@ import torch
 from specsuite.core import Generation, PromptLookupDrafter, TextPiece, eos_token_ids, generate, turn_end_token
 from specsuite.core import stream as stream_generation
 from specsuite.core.draft import Drafter
+from specsuite.core.engine import BatchEngine, Request, engine_supports
 from specsuite.core.generate import context_length
 from specsuite.core.models import DEFAULT_MODEL, load_model
 
 from .drafter import CopyDrafter
 from .edits import Edit, word_diff
 from .limits import check_source
-from .prompt import gec_prompt_ids, instruction_cache
+from .prompt import gec_prompt_ids, instruction_cache, instruction_ids
 from .segment import Segment, join_segments, split_segments
 
 DRAFTERS = ("copy", "prompt-lookup", "none")
+# Sequences decoded together by correct_many: on 2 cores a forward of 32 rows costs about what one
+# row does (`specsuite step-cost`), and 32 sentences with copy drafts kept the batch's forwards
+# in the cheap region (`specsuite bench gec-batch` measures other sizes).
+DEFAULT_BATCH_SIZE = 32
 MAX_CONTEXT_LIMIT = 1024  # longer segments gain nothing and make one slow step of a batch
 CALIBRATION_TOKENS = 8  # HF generate() one-token steps timed once, for estimated_speedup
 
@@ -74,21 +79,22 @@ class Corrector:
     """Corrects texts with one loaded model; `drafter` is "copy", "prompt-lookup" or "none"."""
 
     def __init__(self, model: str = DEFAULT_MODEL, drafter: str = "copy", dtype: str | None = None,
-                 max_new_tokens: int | None = None) -> None:
-        _check(drafter, max_new_tokens)  # before the slow load
-        self._setup(*load_model(model, dtype=dtype), drafter, max_new_tokens)
+                 max_new_tokens: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE) -> None:
+        _check(drafter, max_new_tokens, batch_size)  # before the slow load
+        self._setup(*load_model(model, dtype=dtype), drafter, max_new_tokens, batch_size)
 
     @classmethod
-    def from_loaded(cls, model, tokenizer, drafter: str = "copy", max_new_tokens: int | None = None) -> Corrector:
+    def from_loaded(cls, model, tokenizer, drafter: str = "copy", max_new_tokens: int | None = None,
+                    batch_size: int = DEFAULT_BATCH_SIZE) -> Corrector:
         """A corrector on an already loaded (model, tokenizer), e.g. shared between tests."""
-        _check(drafter, max_new_tokens)
+        _check(drafter, max_new_tokens, batch_size)
         self = cls.__new__(cls)
-        self._setup(model, tokenizer, drafter, max_new_tokens)
+        self._setup(model, tokenizer, drafter, max_new_tokens, batch_size)
         return self
 
-    def _setup(self, model, tokenizer, drafter: str, max_new_tokens: int | None) -> None:
+    def _setup(self, model, tokenizer, drafter: str, max_new_tokens: int | None, batch_size: int) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.drafter, self.max_new_tokens = drafter, max_new_tokens
+        self.drafter, self.max_new_tokens, self.batch_size = drafter, max_new_tokens, batch_size
         self.eos = sorted(eos_token_ids(model, tokenizer))
         self.end_tokens = [turn_end_token(model, tokenizer)]
         # The prompt holds the segment, the reply may be twice as long: a quarter of the context
@@ -96,6 +102,7 @@ class Corrector:
         self.context_limit = min(context_length(model) // 4, MAX_CONTEXT_LIMIT)
         self._plain_costs_s: tuple[float, float] | None = None  # see _plain_costs, timed on first use
         self.prefix_cache = instruction_cache(model)
+        self._engine: BatchEngine | None = None  # made on the first batched call
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -110,9 +117,82 @@ class Corrector:
         segments = self.segments(text)
         return self._finish(text, segments, [self._generate(s.text) if s.text else None for s in segments])
 
-    def correct_many(self, texts: Iterable[str]) -> Iterator[Correction]:
-        for text in texts:
-            yield self.correct(text)
+    def correct_many(self, texts: Iterable[str], batch_size: int | None = None) -> Iterator[Correction]:
+        """The corrections of `texts` (read lazily), in order. With a batch size above 1 (default
+        `self.batch_size`), the segments of many texts decode together in the batched engine
+        (continuous batching, the instruction's KV shared, copy drafts while a step has spare rows);
+        with 1, one segment at a time with `generate()` (the exact path: token for token greedy)."""
+        for result in self.correct_each(texts, batch_size):
+            if isinstance(result, Exception):
+                raise result
+            yield result
+
+    def correct_each(self, texts: Iterable[str], batch_size: int | None = None) -> Iterator[Correction | Exception]:
+        """As `correct_many`, but a text whose correction fails gives its exception, and the
+        others go on (for batch jobs)."""
+        batch_size = self.batch_size if batch_size is None else batch_size
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size == 1 or not engine_supports(self.model):
+            for text in texts:
+                try:
+                    yield self.correct(text)
+                except Exception as e:  # noqa: BLE001 - reported per text
+                    yield e
+            return
+        yield from self._correct_batched(texts, batch_size)
+
+    def _correct_batched(self, texts: Iterable[str], batch_size: int) -> Iterator[Correction | Exception]:
+        engine = self._batch_engine()
+        engine.batch_size = batch_size
+        # Texts are split into segments as they are read; every non-empty segment is one request.
+        # A text is done when its last segment is; texts are yielded in input order.
+        pending: dict[int, tuple[str, list[Segment], list[Generation | None], list[int]]] = {}
+        owner: list[tuple[int, int]] = []  # request index -> (text number, segment number)
+        failed: dict[int, Exception] = {}
+        next_out = 0
+
+        def requests() -> Iterator[Request]:
+            for t, text in enumerate(texts):
+                try:
+                    check_source(self, text)  # as correct() does
+                    segments = self.segments(text)
+                except Exception as e:  # noqa: BLE001
+                    pending[t] = (text, [], [], [0])
+                    failed[t] = e
+                    continue
+                todo = [i for i, seg in enumerate(segments) if seg.text]
+                pending[t] = (text, segments, [None] * len(segments), [len(todo)])
+                for i in todo:
+                    owner.append((t, i))
+                    yield self._request(segments[i].text)
+
+        def ready() -> Iterator[Correction | Exception]:
+            nonlocal next_out
+            while next_out in pending and pending[next_out][3][0] == 0:
+                text, segments, generations, _ = pending.pop(next_out)
+                error = failed.pop(next_out, None)
+                yield error if error is not None else self._finish(text, segments, generations)
+                next_out += 1
+
+        for index, result in engine.run(requests()):
+            t, i = owner[index]
+            if isinstance(result, Exception):
+                failed.setdefault(t, result)
+            else:
+                pending[t][2][i] = result
+            pending[t][3][0] -= 1
+            yield from ready()
+        yield from ready()
+
+    def _batch_engine(self) -> BatchEngine:
+        if self._engine is None:
+            self._engine = BatchEngine(self.model, eos_token_id=self.eos, prefix=instruction_ids(self.tokenizer))
+        return self._engine
+
+    def _request(self, text: str) -> Request:
+        budget = self.max_new_tokens or 2 * self.count_tokens(text) + 16
+        return Request(gec_prompt_ids(self.tokenizer, text), self._make_drafter(text), max_new_tokens=budget)
 
     def stream(self, text: str) -> Iterator[TextPiece | Correction]:
         """TextPieces of the correction as it is decoded (the whitespace between segments comes
@@ -138,9 +218,9 @@ class Corrector:
         return None
 
     def _generate(self, text: str, on_step=None) -> Generation:
-        budget = self.max_new_tokens or 2 * self.count_tokens(text) + 16
-        return generate(self.model, gec_prompt_ids(self.tokenizer, text), self._make_drafter(text),
-                        max_new_tokens=budget, eos_token_id=self.eos, on_step=on_step, prefix_cache=self.prefix_cache)
+        request = self._request(text)
+        return generate(self.model, request.prompt, request.drafter, max_new_tokens=request.max_new_tokens,
+                        eos_token_id=self.eos, on_step=on_step, prefix_cache=self.prefix_cache)
 
     def _stream_segment(self, text: str) -> Generator[TextPiece, None, Generation]:
         """The reply's pieces as `str.strip` leaves the reply: leading whitespace dropped, trailing
@@ -203,7 +283,9 @@ class Corrector:
         return self._plain_costs_s
 
 
-def _check(drafter: str, max_new_tokens: int | None) -> None:
+def _check(drafter: str, max_new_tokens: int | None, batch_size: int = 1) -> None:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if drafter not in DRAFTERS:
         raise ValueError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
     if max_new_tokens is not None and max_new_tokens < 1:

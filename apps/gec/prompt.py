@@ -22,6 +22,14 @@ def gec_prompt_ids(tokenizer, text: str) -> list[int]:
     return chat_prompt_ids(tokenizer, text, SYSTEM)
 
 
+def instruction_ids(tokenizer) -> list[int]:
+    """The ids every GEC prompt starts with (the instruction and the chat template's start): the
+    common prefix of two prompts whose texts differ from their first character."""
+    a, b = gec_prompt_ids(tokenizer, "a"), gec_prompt_ids(tokenizer, "1")
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return a[:n]
+
+
 def instruction_cache(model) -> PrefixCache | None:
     """A prefix cache that lets every prompt after the first skip the shared instruction, or None
     where a cache is not lossless by default (bf16, fp16: see `lossless_by_default`)."""
