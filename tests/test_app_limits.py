@@ -147,7 +147,7 @@ def gec(smollm2):
     from specsuite.apps.gec.corrector import Corrector
     from specsuite.apps.gec.ui import build_app
 
-    corrector = Corrector.from_loaded(*smollm2, max_new_tokens=12)
+    corrector = Corrector.from_loaded(*smollm2)  # the default budget: a correction may be as long as its text
     apps = [build_app(corrector), build_app(corrector, time_budget_s=0.05)]
     clients = [Client(_launch(app.queue()), verbose=False) for app in apps]
     yield clients
@@ -198,14 +198,15 @@ def test_rag_refuses_while_a_long_call_runs_and_answers_both(rag):
     from gradio_client.utils import Status
 
     client, _ = rag
-    slow = client.submit("Tell me about the plate tectonics and the water cycle.", 10, api_name="/ask")
+    # 20 passages: a prefill of thousands of tokens, seconds even on a fast CPU.
+    slow = client.submit("Tell me about the plate tectonics and the water cycle.", 20, api_name="/ask")
     while slow.status().code != Status.PROCESSING:  # taken from the queue, generating
         time.sleep(0.05)
     assert _refused(client, (HUGE, 3), "too long", "/ask") < REFUSAL_S
     assert _refused(client, ("  ", 3), "only whitespace", "/ask") < REFUSAL_S
     assert not slow.done(), "the refusals came after the running call, not beside it"
     result = client.predict(QUESTION, 3, api_name="/ask")  # waits for the model's turn, then answers
-    assert result["answer"] and len(slow.result()["passages"]) == 10
+    assert result["answer"] and len(slow.result()["passages"]) == 20
 
 
 @pytest.mark.real_model
@@ -238,7 +239,8 @@ def test_gec_refuses_while_a_long_call_runs(gec):
     from gradio_client.utils import Status
 
     client, _ = gec
-    long_text = " ".join([SENTENCE, "We was late and he dont care ."] * 8)
+    # Two lines of four sentences: two segments of ~50 tokens, corrected one after the other.
+    long_text = "\n".join([" ".join([SENTENCE, "We was late and he dont care ."] * 2)] * 2)
     slow = client.submit(long_text, api_name="/correct")
     while slow.status().code != Status.PROCESSING:
         time.sleep(0.05)
