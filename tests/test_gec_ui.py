@@ -45,3 +45,13 @@ def test_example_is_corrected_with_stats(app_url, page):
     # The edits view shows the source with the changes marked up.
     diff = page.locator("#gec-diff")
     assert diff.get_by_text("edit").count() >= 1
+
+
+def test_text_over_the_limit_is_refused_with_the_limit_named(app_url, page):
+    from playwright.sync_api import expect
+
+    page.goto(app_url, wait_until="networkidle")
+    page.locator("#gec-input textarea").fill("She go to school yesterday . " * 1000)  # 29,000 characters
+    page.locator("#gec-correct").click()
+    expect(page.get_by_text("the limit is 1,024 tokens").first).to_be_visible(timeout=10_000)
+    assert "school" not in page.locator("#gec-output").inner_text()  # nothing was corrected
