@@ -82,6 +82,29 @@ def test_deadline_bounds_the_wait_for_a_busy_model():
     Deadline(None).check()  # no budget, no limit
 
 
+@pytest.mark.parametrize("question, k, message", [
+    ("", "3", "error: the question is empty"),
+    (" \t", "3", "error: the question is only whitespace"),
+    ("Who?", "51", "error: k (passages to retrieve) must be from 1 to 50, got 51"),
+])
+def test_cli_ask_refuses_bad_input_before_loading_anything(tmp_path, capsys, question, k, message):
+    from specsuite.cli import main
+
+    start = time.monotonic()
+    assert main(["rag", "ask", str(tmp_path / "no-index"), question, "-k", k]) == 1
+    assert message in capsys.readouterr().err and time.monotonic() - start < REFUSAL_S
+
+
+@pytest.mark.parametrize("argv", [["gec", "ui", "--time-budget", "-1"], ["gec", "ui", "--max-input-tokens", "0"],
+                                  ["rag", "ui", "idx", "--time-budget", "soon"]])
+def test_cli_refuses_bad_limits(argv, capsys):
+    from specsuite.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and "expected" in capsys.readouterr().err
+
+
 @pytest.mark.real_model
 def test_closing_a_stream_ends_its_generation(smollm2):
     """A consumer that leaves early (time budget, client gone) frees the model at the next step."""
