@@ -107,7 +107,9 @@ def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_B
                     deadline.check()
                     yield item
             finally:
-                items.close()  # left early: the generation stops at its next step
+                # Left early: the generation stops at its next step. That step may still run
+                # beside the next request's start: harmless, the model is only read.
+                items.close()
         finally:
             model.release()
 
