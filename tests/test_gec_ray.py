@@ -26,7 +26,12 @@ else:
 pytestmark = [pytest.mark.real_model, pytest.mark.ray]
 
 MAX_NEW_TOKENS = 8  # short corrections keep the tests fast; truncation warnings get tested too
-SETTINGS = {"model": "smollm2-135m", "drafter": "copy", "dtype": None, "max_new_tokens": MAX_NEW_TOKENS}
+# Batch size 1 (`--exact`): token for token greedy, so the output must equal the one-machine job's
+# byte for byte. The batched engine's output depends on which texts share a batch (near-ties), and
+# a block is one batch: with it the tests check every line once, in order, with the same errors.
+SETTINGS = {"model": "smollm2-135m", "drafter": "copy", "dtype": None, "max_new_tokens": MAX_NEW_TOKENS,
+            "batch_size": 1}
+BATCHED = {**SETTINGS, "batch_size": 8}
 BLOCK_LINES = 5
 SENTENCES = ["She go to school yesterday.", "He have two cat.", "I am agree with you.", "They was happy.",
              "We goes home now.", "The informations is useful.", "She don't like apples.",
@@ -55,7 +60,7 @@ def input_file(tmp_path_factory) -> Path:
 def reference(smollm2, input_file, tmp_path_factory) -> dict[str, Path]:
     """The one-machine job's outputs (.txt with its sidecar, .jsonl) with the same model and dtype."""
     out = tmp_path_factory.mktemp("ray_reference")
-    corrector = Corrector.from_loaded(*smollm2, max_new_tokens=MAX_NEW_TOKENS)
+    corrector = Corrector.from_loaded(*smollm2, max_new_tokens=MAX_NEW_TOKENS, batch_size=1)
     paths = {suffix: out / f"ref{suffix}" for suffix in (".txt", ".jsonl")}
     for path in paths.values():
         run_batch(input_file, path, lambda: corrector, progress=False)
@@ -86,17 +91,17 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/status").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
 
 
-_factory = functools.partial(Corrector, **SETTINGS)  # pickled to the actors, as the CLI does
+_factory = functools.partial(Corrector, **SETTINGS)  # pickled to the actors, as the CLI does (exact)
 
 
-def _run(input_file: Path, output: Path, pids: set[int], on_block=None, **kwargs):
+def _run(input_file: Path, output: Path, pids: set[int], on_block=None, settings=SETTINGS):
     def record(done):
         pids.add(done.pid)
         if on_block:
             on_block(done)
 
-    return run_ray_batch(input_file, output, _factory, workers=2, block_lines=BLOCK_LINES, progress=False,
-                         job_info=SETTINGS, on_block=record, **kwargs)
+    return run_ray_batch(input_file, output, functools.partial(Corrector, **settings), workers=2,
+                         block_lines=BLOCK_LINES, progress=False, job_info=settings, on_block=record)
 
 
 def _without_stats(path: Path) -> list[dict]:
@@ -146,10 +151,13 @@ def test_killing_an_actor_mid_job_redoes_its_block(cluster, input_file, referenc
             threading.Timer(0.3, os.kill, (done.pid, signal.SIGKILL)).start()
         pids.append(done.pid)
 
-    summary = _run(input_file, output, cluster, on_block=kill_the_first_actor_in_its_next_block)
+    summary = _run(input_file, output, cluster, on_block=kill_the_first_actor_in_its_next_block, settings=BATCHED)
     assert len(set(pids)) == 3, "a replacement actor did the rest of the killed actor's work"
     assert pids.count(pids[0]) == 1
-    assert _without_stats(output) == _without_stats(reference[".jsonl"])  # every line once, in order
+    records, expected = _without_stats(output), _without_stats(reference[".jsonl"])
+    same = ("line", "source", "error", "input")  # every line once, in order, the same error records
+    assert [{k: r.get(k) for k in same} for r in records] == [{k: r.get(k) for k in same} for r in expected]
+    assert [sorted(r) for r in records] == [sorted(r) for r in expected]
     assert (summary.total, summary.errors) == (40, 3)
 
 
@@ -180,7 +188,8 @@ def test_killing_the_driver_and_rerunning_gives_the_same_output(cluster, input_f
     parts = output.with_name("out.txt.ray-parts")
     command = [sys.executable, "-m", "specsuite.cli", "gec", "correct", str(input_file), "-o", str(output),
                "--ray", ray.get_runtime_context().gcs_address, "--workers", "2",
-               "--block-lines", str(BLOCK_LINES), "--model", "smollm2-135m", "--max-new-tokens", str(MAX_NEW_TOKENS)]
+               "--block-lines", str(BLOCK_LINES), "--model", "smollm2-135m", "--max-new-tokens", str(MAX_NEW_TOKENS),
+               "--exact"]
     driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240

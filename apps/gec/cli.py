@@ -68,7 +68,9 @@ def _correct_on_ray(args: argparse.Namespace):
     """The same job on a Ray cluster (apps/gec/distributed.py); BlockFailedError is a RuntimeError."""
     from .distributed import run_ray_batch
 
-    settings = {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens}
+    batch_size = 1 if args.exact else args.batch_size  # as _corrector: --exact is one text at a time
+    settings = {"model": args.model, "drafter": args.drafter, "dtype": args.dtype,
+                "max_new_tokens": args.max_new_tokens, "batch_size": batch_size}
     factory = functools.partial(Corrector, **settings)  # pickled to every actor, which loads the model once
     return run_ray_batch(args.input, args.output, factory, address=args.ray, workers=args.workers,
                          threads_per_worker=args.threads_per_worker, fmt=args.format, field=args.field,
@@ -201,8 +203,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "joins one started with `ray start`")
     r.add_argument("--workers", type=int, default=2, help="actors, each with its own model (default 2)")
     r.add_argument("--threads-per-worker", type=int, default=1, help="CPUs (torch threads) per actor (default 1)")
-    r.add_argument("--block-lines", type=int, help="lines per block, the unit of retry and resume "
-                   "(default total / (4 x workers), at most 256; kept on resume)")
+    r.add_argument("--block-lines", type=int, help="lines per block, the unit of retry and resume, one "
+                   "continuous batch (default: up to 4 equal blocks per worker, 64-256 lines; kept on resume)")
     _model_args(c)
     c.set_defaults(func=_correct)
 

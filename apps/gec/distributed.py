@@ -36,8 +36,11 @@ from tqdm import tqdm
 
 from .batch import BatchSummary, CorrectorLike, JsonlWriter, ResumeError, TextWriter, correct_lines
 
-MAX_BLOCK_LINES = 256  # a finished block shows on the progress bar and survives a crash
-BLOCKS_PER_WORKER = 4  # default block size: enough blocks that the last ones balance out
+# The default block size: about BLOCKS_PER_WORKER equal blocks per actor, so that the last ones
+# balance out, but at least MIN_BLOCK_LINES lines (twice the batched engine's default batch: a block
+# is one continuous batch, which drains at its end) and at most MAX_BLOCK_LINES (a finished block
+# shows on the progress bar and survives a crash).
+BLOCKS_PER_WORKER, MIN_BLOCK_LINES, MAX_BLOCK_LINES = 4, 64, 256
 PARTS_SUFFIX = ".ray-parts"
 DONE, SIDECAR, TMP = ".done", ".errors.jsonl", ".tmp"
 
@@ -95,6 +98,13 @@ def split_blocks(path: Path, block_lines: int) -> list[Block]:
     if lines:
         blocks.append(Block(len(blocks), 1 + len(blocks) * block_lines, lines, start, offset))
     return blocks
+
+
+def default_block_lines(total: int, workers: int) -> int:
+    """Equal blocks, up to BLOCKS_PER_WORKER per actor, of MIN_BLOCK_LINES..MAX_BLOCK_LINES lines
+    where the input allows (200 lines, 2 actors: 2 blocks of 100)."""
+    per_worker = max(1, min(BLOCKS_PER_WORKER, total // (workers * MIN_BLOCK_LINES)))
+    return max(1, min(MAX_BLOCK_LINES, -(-total // (workers * per_worker))))
 
 
 def read_block(path: str | Path, block: Block) -> Iterator[tuple[int, bytes]]:
@@ -298,9 +308,11 @@ def run_ray_batch(
     `address`: "local" starts an in-process cluster, "auto" or "HOST:PORT" joins one started with
     `ray start` (an already initialised Ray connection is used as is). `corrector_factory` runs in
     each actor (picklable: e.g. `functools.partial(Corrector, "qwen2.5-0.5b")`). `block_lines`
-    defaults to total / (4 x workers), at most 256, and is kept from the first run on resume.
+    defaults to `default_block_lines` and is kept from the first run on resume.
     `job_info` (e.g. the model settings) is recorded, and a rerun with other settings is refused.
-    The output, records and sidecar, is byte for byte what `run_batch` writes for the same corrections.
+    The output, records and sidecar, is byte for byte what `run_batch` writes for the same corrections
+    (with the batched engine, a block is one batch: on near-ties a line can differ from the one-machine
+    job's, as between two batch sizes; with batch size 1, `--exact`, it is the same).
     """
     if workers < 1 or threads_per_worker < 1 or max_attempts < 1:
         raise ValueError("workers, threads_per_worker and max_attempts must be >= 1")
@@ -327,7 +339,7 @@ def run_ray_batch(
             "input": str(input_path), "input_bytes": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
             "lines": total, "format": fmt, "field": field, "max_tokens": max_tokens,
             "output": output_path.suffix, **(job_info or {}),
-            "block_lines": block_lines or max(1, min(MAX_BLOCK_LINES, -(-total // (BLOCKS_PER_WORKER * workers)))),
+            "block_lines": block_lines or default_block_lines(total, workers),
         })
         blocks = split_blocks(input_path, block_lines)
         done = [b for b in blocks if parts.committed(b.index)]
