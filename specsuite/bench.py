@@ -264,6 +264,8 @@ def _cmd(args: argparse.Namespace) -> int:
     if not data.exists():
         print(f"error: no such data file: {data}", file=sys.stderr)
         return 1
+    if args.task == "gec-batch":
+        return _cmd_gec_batch(args, data)
     report = run_bench(args.task, args.model, data, args.n, args.max_new_tokens, args.draft_model, args.dtype,
                        args.methods.split(",") if args.methods else None, args.tie_margin,
                        not args.no_prefix_cache)
@@ -286,9 +288,32 @@ def _cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gec_batch(args: argparse.Namespace, data: Path) -> int:
+    from specsuite.bench_batch import format_batch_table, plot_batch, run_gec_batch
+
+    try:
+        sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        print("error: --batch-sizes takes sizes >= 1, e.g. 1,8,16,32", file=sys.stderr)
+        return 2
+    report = run_gec_batch(args.model, data, args.n, sizes, args.max_new_tokens, args.dtype,
+                           [Path(r) for r in args.refs or []], args.methods.split(",") if args.methods else None)
+    print(f"\ngec-batch · {args.model} ({report['dtype']}) · n={report['n']} · max_new_tokens={args.max_new_tokens} · "
+          f"{report['torch_threads']} threads · spec_batch = batch size {report['default_batch_size']}")
+    print(format_batch_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot_batch(report, Path(args.plot))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark our drafters against HF generate() on one model and data set")
-    p.add_argument("task", choices=sorted(TASKS))
+    p.add_argument("task", choices=sorted([*TASKS, "gec-batch"]),
+                   help="gec-batch: sentences/s of a file, the batched engine vs HF generate() on padded batches")
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
     p.add_argument("--data", required=True, help="gec: a text file, one sentence a line; rag/summarize: Spec-Bench jsonl")
     p.add_argument("--n", type=int, default=10, help="number of prompts (default 10)")
@@ -300,6 +325,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "closer than this (default: per dtype; 0 in bf16 with exact attention)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="gec: our methods compute the shared instruction for every sentence, as HF's do")
+    p.add_argument("--batch-sizes", default="1,8,16,32", help="gec-batch: the batch sizes of HF generate() and of "
+                   "the engine (default 1,8,16,32)")
+    p.add_argument("--refs", nargs="+", help="gec-batch: reference files line-aligned with --data, for GLEU")
     p.add_argument("--json", help="write the report as JSON here")
-    p.add_argument("--plot", help="write a bar chart of the speedups here (needs matplotlib)")
+    p.add_argument("--plot", help="write a chart here (needs matplotlib): speedups; gec-batch: sentences/s by batch size")
     p.set_defaults(func=_cmd)
