@@ -240,8 +240,12 @@ def _job_file(parts: Parts, job: dict) -> int:
                               f"rerun that job, or delete {parts.dir} to start over")
         return int(before["block_lines"])
     tmp = path.with_name(path.name + TMP)
-    tmp.write_text(json.dumps(job, indent=1), encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(job, indent=1))
+        f.flush()
+        os.fsync(f.fileno())  # durable before any part that depends on its block size
     os.replace(tmp, path)
+    _fsync_dir(parts.dir)
     return int(job["block_lines"])
 
 
