@@ -24,9 +24,6 @@ one-sequence path. Llama-family models (Llama, Qwen2) with full attention.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -38,8 +35,9 @@ import torch.nn.functional as F
 
 from . import decoder_forward
 from .draft import Draft, Drafter, NoDrafter
+from .draft_budget import DraftBudget, StepCost, cost_file
 from .exact_attention import block_rows
-from .generate import Generation, GenerationStats, context_length, eos_token_ids
+from .generate import Generation, GenerationStats, StepCallback, context_length, eos_token_ids
 from .verify import Sampling, top_two, tree_attention_mask, verify_greedy, verify_sample, warp
 
 
@@ -52,6 +50,7 @@ class Request:
     max_new_tokens: int = 256
     sampling: Sampling | None = None
     generator: torch.Generator | None = None
+    on_step: StepCallback | None = None  # after each step: its new tokens, and which came from the draft
 
 
 @dataclass
@@ -76,109 +75,6 @@ class _Slot:
     @property
     def room(self) -> int:
         return self.request.max_new_tokens - len(self.new)
-
-
-class StepCost:
-    """Seconds of one engine forward by its number of rows (piecewise linear between measured
-    points, linear beyond the last one). Measured once per machine, model and dtype and cached on
-    disk (`measure`), so the draft budget follows this machine's kernels, not constants."""
-
-    def __init__(self, points: dict[int, float]) -> None:
-        if not points or min(points) < 1:
-            raise ValueError("StepCost needs costs for row counts >= 1")
-        self.rows = sorted(points)
-        self.secs = [points[r] for r in self.rows]
-
-    def __call__(self, rows: int) -> float:
-        r, s = self.rows, self.secs
-        if rows <= r[0] or len(r) == 1:
-            return s[0] * max(rows, 1) / r[0] if rows > r[0] else s[0]
-        for i in range(1, len(r)):
-            if rows <= r[i]:
-                return s[i - 1] + (s[i] - s[i - 1]) * (rows - r[i - 1]) / (r[i] - r[i - 1])
-        return s[-1] + (s[-1] - s[-2]) * (rows - r[-1]) / (r[-1] - r[-2])
-
-    @classmethod
-    def measure(cls, engine: "BatchEngine", rows: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
-                reps: int = 3, cache_dir: str | Path | None = None) -> "StepCost":
-        """Time the engine's forward over `rows` rows (one slot after 64 cached tokens, median of
-        `reps`), or read an earlier measurement of the same machine, model and dtype."""
-        rows = sorted(set(rows))
-        path = _cost_file(engine.model, cache_dir)
-        if path is not None and path.exists():
-            try:
-                saved = {int(k): float(v) for k, v in json.loads(path.read_text())["seconds"].items()}
-                if set(rows) <= set(saved):
-                    return cls({r: saved[r] for r in rows})
-            except (ValueError, KeyError, TypeError):
-                pass  # unreadable: measure again
-        vocab = min(engine.model.config.vocab_size, 32000)
-        gen = torch.Generator().manual_seed(0)
-        context = 64
-        times: dict[int, list[float]] = {r: [] for r in rows}
-        engine._ensure(1, context + max(rows))
-        for rep in range(reps + 1):  # the first round warms up
-            for r in rows:
-                ids = torch.randint(0, vocab, (context + r,), generator=gen).tolist()
-                slot = _Slot(-1, Request(ids), NoDrafter(), set(), length=context, fresh=ids[context:], seq=ids)
-                t0 = time.perf_counter()
-                engine._step_forward([slot], [None], logits_rows=1)
-                if rep:
-                    times[r].append(time.perf_counter() - t0)
-        cost = cls({r: sorted(t)[len(t) // 2] for r, t in times.items()})
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"seconds": dict(zip(map(str, cost.rows), cost.secs))}))
-        return cost
-
-
-def _cost_file(model, cache_dir: str | Path | None) -> Path | None:
-    """Where the step cost of this model, dtype, machine and thread count is kept (None: nowhere)."""
-    if cache_dir is None:
-        if os.environ.get("SPECSUITE_NO_COST_CACHE"):
-            return None
-        cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specsuite" / "step_cost"
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    except OSError:
-        cpu = ""
-    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
-    key = f"{name}|{model.dtype}|{model.device}|{cpu}|{torch.get_num_threads()}|{torch.__version__}"
-    return Path(cache_dir) / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
-
-
-class DraftBudget:
-    """How many draft nodes each slot may verify in the next step: the cap that maximises the
-    expected new tokens per second of the whole step (goodput, as in SmartSpec).
-
-    A slot whose drafts were accepted at rate `a` so far expects sum(a^i, i = 1..c) extra tokens
-    from c nodes; the step costs `cost(rows)`. Few sequences in flight: long drafts are nearly
-    free. A full batch: the extra rows cost more than they bring, and the cap drops to 0."""
-
-    CAPS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-
-    def __init__(self, cost: StepCost, prior: float = 0.7) -> None:
-        self.cost, self.prior = cost, prior
-
-    def cap(self, fresh_rows: int, drafts: list[Draft | None], rates: list[float]) -> int:
-        best, best_rate = 0, -1.0
-        for c in self.CAPS:
-            rows = fresh_rows
-            gain = float(len(drafts))
-            for d, a in zip(drafts, rates):
-                k = min(c, len(d)) if d is not None else 0
-                rows += k
-                gain += a * (1 - a ** k) / (1 - a) if a < 1 else k
-            rate = gain / self.cost(rows)
-            if rate > best_rate * 1.0001:  # ties: the smaller cap
-                best, best_rate = c, rate
-            if all(d is None or len(d) <= c for d in drafts):
-                break
-        return best
-
-    def rate(self, slot: _Slot) -> float:
-        """Acceptance rate of the slot's drafts so far, starting from the prior (clamped below 1)."""
-        return min(0.98, (slot.accepted + 4 * self.prior) / (slot.offered + 4))
 
 
 def engine_supports(model) -> bool:
@@ -218,13 +114,46 @@ class BatchEngine:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.forward_passes = 0
+        self._in_flight = 0
         self.prefix: list[int] = []
         self.prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         if prefix:
             self._compute_prefix(list(prefix))
         self.budget = None
         if draft_budget:
-            self.budget = DraftBudget(cost or StepCost.measure(self))
+            self.budget = DraftBudget(cost or self.measure_step_cost())
+
+    def measure_step_cost(self, rows: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), reps: int = 3,
+                          cache_dir: str | Path | None = None) -> StepCost:
+        """Time decode steps of `rows` rows as a batch runs them (up to 32 slots, each a root token
+        and a chain draft, every row's logits, after 64 cached tokens; median of `reps`), or read an
+        earlier measurement of the same machine, model and dtype (`cost_file`)."""
+        rows = sorted(set(rows))
+        path = cost_file(self.model, cache_dir)
+        if (kept := StepCost.load(path, rows)) is not None:
+            return kept
+        vocab = min(self.model.config.vocab_size, 32000)
+        gen = torch.Generator().manual_seed(0)
+        context, most = 64, 32
+        times: dict[int, list[float]] = {r: [] for r in rows}
+        self._ensure(min(max(rows), most), context + max(rows))
+        for rep in range(reps + 1):  # the first round warms up
+            for r in rows:
+                count = min(r, most)
+                slots, drafts = [], []
+                for k in range(count):
+                    per = r // count + (k < r % count)  # rows of this slot
+                    ids = torch.randint(0, vocab, (context + per,), generator=gen).tolist()
+                    slots.append(_Slot(-1, Request(ids), NoDrafter(), set(), length=context,
+                                       fresh=ids[context:context + 1], seq=ids))
+                    drafts.append(Draft.chain(ids[context + 1:]) if per > 1 else None)
+                t0 = time.perf_counter()
+                self._step_forward(slots, drafts)
+                if rep:
+                    times[r].append(time.perf_counter() - t0)
+        cost = StepCost({r: sorted(t)[len(t) // 2] for r, t in times.items()})
+        cost.save(path)
+        return cost
 
     # ---- the cache -------------------------------------------------------------------------
 
@@ -266,7 +195,7 @@ class BatchEngine:
         model, device = self.model, self.model.device
         where = list(range(len(slots))) if where is None else where
         ids, positions, slot_of_row, write_at, wanted = [], [], [], [], []
-        masks, lengths = [], []
+        masks, pasts = [], []
         for s, (slot, draft) in enumerate(zip(slots, drafts)):
             nodes = draft.tokens if draft is not None else []
             f = len(slot.fresh)
@@ -277,32 +206,18 @@ class BatchEngine:
             slot_of_row += [where[s]] * (f + len(nodes))
             write_at += list(range(slot.length, slot.length + f + len(nodes)))
             wanted += list(range(first + f - 1, first + f + (len(nodes) if logits_rows is None else 0)))
-            lengths.append(slot.length + f + len(nodes))
+            pasts.append(slot.length)
+            # who sees whom among the slot's own new rows (its cached positions are seen by all)
             if draft is not None:
-                masks.append(tree_attention_mask(draft, slot.length, f - 1)[0, 0])
+                masks.append(tree_attention_mask(draft, 0, f - 1)[0, 0])
             else:
-                masks.append(torch.ones(f, slot.length + f, dtype=torch.bool).tril(slot.length))
-        n, a = len(ids), len(slots)
-        q = max(m.shape[0] for m in masks)
-        width = max(lengths)
-        mask = torch.zeros(a, 1, q, width, dtype=torch.bool)
-        pad = torch.zeros(a, q, dtype=torch.long)  # padded attention row -> packed row
-        real = torch.zeros(a, q, dtype=torch.bool)
-        row = 0
-        for s, m in enumerate(masks):
-            rows, cols = m.shape
-            mask[s, 0, :rows, :cols] = m
-            mask[s, 0, rows:, 0] = True  # padding rows attend somewhere (no NaN); their output is dropped
-            pad[s, :rows] = torch.arange(row, row + rows)
-            real[s, :rows] = True
-            row += rows
-        flat = (torch.arange(a)[:, None] * q + torch.arange(q)[None, :])[real]  # packed row -> padded index
+                masks.append(torch.ones(f, f, dtype=torch.bool).tril())
+        n = len(ids)
+        groups = _attention_groups(masks, pasts, where, device)
         to_dev = lambda t: t.to(device)  # noqa: E731
         ids_t = to_dev(torch.tensor([ids]))
         pos_t = to_dev(torch.tensor([positions]))
         slot_t, write_t = to_dev(torch.tensor(slot_of_row)), to_dev(torch.tensor(write_at))
-        cache_slots = to_dev(torch.tensor(where))
-        mask, pad, flat = to_dev(mask), to_dev(pad.reshape(-1)), to_dev(flat)
         body = model.model
         rotate = sys.modules[type(model).__module__].apply_rotary_pos_emb
         # block_rows(n, n): every row is a block row; the linear layers take the fastest plain kernel
@@ -319,13 +234,15 @@ class BatchEngine:
                 xq, xk = rotate(xq, xk, cos, sin)
                 self.keys[i][slot_t, :, write_t] = xk[0].transpose(0, 1)
                 self.values[i][slot_t, :, write_t] = xv[0].transpose(0, 1)
-                keys = self.keys[i][cache_slots, :, :width]
-                values = self.values[i][cache_slots, :, :width]
                 heads = xq.shape[1]
-                query = xq[0].transpose(0, 1)[pad].view(a, q, heads, self.head_dim).transpose(1, 2)
-                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attn.scaling,
-                                                     enable_gqa=heads != self.kv_heads)
-                out = out.transpose(1, 2).reshape(a * q, heads * self.head_dim)[flat]
+                rows = xq[0].transpose(0, 1)  # (n, heads, dim)
+                out = rows.new_empty(n, heads * self.head_dim)
+                for g in groups:
+                    keys, values = self.keys[i][g.slots, :, : g.width], self.values[i][g.slots, :, : g.width]
+                    query = rows[g.pad].view(g.count, g.q, heads, self.head_dim).transpose(1, 2)
+                    o = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask, scale=attn.scaling,
+                                                       enable_gqa=heads != self.kv_heads)
+                    out[g.rows] = o.transpose(1, 2).reshape(g.count * g.q, -1)[g.flat]
                 x = x + attn.o_proj(out[None])
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             logits = model.lm_head(body.norm(x[:, to_dev(torch.tensor(wanted))]))[0]
@@ -335,67 +252,86 @@ class BatchEngine:
 
     # ---- decoding --------------------------------------------------------------------------
 
-    def run(self, requests: Iterable[Request]) -> Iterator[tuple[int, Generation | Exception]]:
-        """Decode `requests` (read lazily, as slots free up); yields (input index, Generation) as
-        each sequence finishes, in finishing order. A request that cannot run (an empty prompt, a
-        drafter that raises) yields its exception instead; the others go on."""
-        waiting = enumerate(requests)
+    def run(self, requests: Iterable[Request | None]) -> Iterator[tuple[int, Generation | Exception]]:
+        """Decode `requests` (read lazily, as slots free up); yields (request number, Generation)
+        as each sequence finishes, in finishing order. A request that fails (an empty prompt, a
+        drafter or `on_step` that raises) yields its exception instead; the others go on.
+        A None from `requests` means "nothing new now" (a live queue, see `BatchServer`): the
+        sequences in flight step on, and the next step asks again (with none in flight, the
+        source should block until it has a request)."""
+        source = iter(requests)
+        self._in_flight = 0  # one run at a time per engine; an abandoned run's slots are gone
         slots: list[_Slot | None] = []
-        done_reading = False
+        held: Request | None = None  # read, but over the KV budget: admitted once a slot frees
+        count = 0  # requests read
+        open_ = True
         with torch.inference_mode():
             while True:
                 # 1. admit
-                while not done_reading and (sum(s is not None for s in slots) < self.batch_size):
-                    item = next(waiting, None)
-                    if item is None:
-                        done_reading = True
-                        break
-                    index, request = item
+                while (held is not None or open_) and self.in_flight < self.batch_size:
+                    if held is None:
+                        request = next(source, _END)
+                        if request is _END or request is None:
+                            open_ = request is None
+                            break
+                        held, count = request, count + 1
                     try:
-                        slot = self._admit(index, request, slots)
+                        admitted = self._admit(count - 1, held, slots)
                     except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
-                        yield index, e
+                        yield count - 1, e
+                        held = None
                         continue
-                    if slot is None:  # over the KV budget: wait for a sequence to finish
-                        waiting = _push_back(item, waiting)
+                    if not admitted:  # over the KV budget: wait for a sequence to finish
                         break
+                    held = None
                 active = [i for i, s in enumerate(slots) if s is not None]
                 if not active:
-                    if done_reading:
+                    if held is None and not open_:
                         return
                     continue
                 # 2. draft
-                live = [slots[i] for i in active]
                 drafts: list[Draft | None] = []
-                failed: list[tuple[int, Exception]] = []
-                for i, slot in zip(active, live):
+                for i in active:
                     try:
-                        drafts.append(self._propose(slot))
+                        drafts.append(self._propose(slots[i]))
                     except Exception as e:  # noqa: BLE001
-                        failed.append((i, e))
+                        yield from self._retire(slots, i, e)
                         drafts.append(None)
-                for i, e in failed:
-                    yield slots[i].index, e
-                    slots[i] = None
-                keep = [k for k, i in enumerate(active) if slots[i] is not None]
-                active, live, drafts = [active[k] for k in keep], [live[k] for k in keep], [drafts[k] for k in keep]
+                drafts = [d for i, d in zip(active, drafts) if slots[i] is not None]
+                active = [i for i in active if slots[i] is not None]
                 if not active:
                     continue
+                live = [slots[i] for i in active]
                 if self.budget is not None and any(d is not None for d in drafts):
-                    cap = self.budget.cap(sum(len(s.fresh) for s in live), drafts, [self.budget.rate(s) for s in live])
+                    cap = self.budget.cap(sum(len(s.fresh) for s in live), drafts, [self.budget.rate(s.accepted, s.offered) for s in live])
                     drafts = [None if d is None or cap == 0 else d.limit_size(cap) for d in drafts]
                 # 3. one forward, 4. verify and commit
                 t0 = time.perf_counter()
                 logits = self._step_forward(live, drafts, where=active)
                 for i, slot, draft, rows in zip(active, live, drafts, logits):
-                    finished = self._commit(slot, draft, rows, i, time.perf_counter() - t0)
+                    try:
+                        finished = self._commit(slot, draft, rows, i, time.perf_counter() - t0)
+                    except Exception as e:  # noqa: BLE001 - e.g. on_step ended it (a time budget, a closed stream)
+                        yield from self._retire(slots, i, e)
+                        continue
                     if finished:  # 5. retire
                         slot.stats.new_tokens = len(slot.new)
                         slot.stats.total_s = time.perf_counter() - slot.start
-                        yield slot.index, Generation(slot.new, slot.from_draft, finished, slot.stats)
-                        slots[i] = None
+                        yield from self._retire(slots, i, Generation(slot.new, slot.from_draft, finished, slot.stats))
 
-    def _admit(self, index: int, request: Request, slots: list[_Slot | None]) -> _Slot | None:
+    @property
+    def in_flight(self) -> int:
+        """Sequences decoding now."""
+        return self._in_flight
+
+    def _retire(self, slots: list[_Slot | None], i: int, result: Generation | Exception):
+        index = slots[i].index
+        slots[i] = None
+        self._in_flight -= 1
+        yield index, result
+
+    def _admit(self, index: int, request: Request, slots: list[_Slot | None]) -> bool:
+        """Put `request` into a free slot; False where the KV budget has no room for it now."""
         prompt = list(request.prompt)
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -409,8 +345,8 @@ class BatchEngine:
         in_use = max(len(slots), free + 1)
         have_p = self.keys[0].shape[2] if self.keys else 0
         if in_use * max(need, have_p) * self.token_bytes > self.kv_budget_bytes:
-            if any(s is not None for s in slots):
-                return None
+            if self.in_flight:
+                return False
             raise ValueError(f"a sequence of {need} tokens does not fit the KV budget of {self.kv_budget_bytes} bytes")
         self._ensure(in_use, need)
         cached = len(self.prefix) if len(prompt) > len(self.prefix) and prompt[: len(self.prefix)] == self.prefix else 0
@@ -419,7 +355,7 @@ class BatchEngine:
             values[free, :, :cached] = v
         drafter = request.drafter or NoDrafter()
         drafter.reset(prompt, request.sampling)
-        slot = _Slot(index, Request(prompt, drafter, max_new, request.sampling, request.generator), drafter,
+        slot = _Slot(index, Request(prompt, drafter, max_new, request.sampling, request.generator, request.on_step), drafter,
                      self.eos, length=cached, fresh=prompt[cached:], seq=list(prompt),
                      stats=GenerationStats(prompt_tokens=len(prompt), cached_prompt_tokens=cached),
                      start=time.perf_counter())
@@ -427,7 +363,8 @@ class BatchEngine:
             slots.append(slot)
         else:
             slots[free] = slot
-        return slot
+        self._in_flight += 1
+        return True
 
     def _propose(self, slot: _Slot) -> Draft | None:
         if slot.room <= 1:
@@ -490,14 +427,65 @@ class BatchEngine:
         slot.new += step
         slot.from_draft += flags
         slot.fresh = [nxt]
+        if slot.request.on_step is not None:
+            slot.request.on_step(step, flags)
         if finish is None and slot.room <= 0:
             finish = "length" if len(slot.seq) < self.context else "context"
         return finish
 
 
-def _push_back(item, rest: Iterator) -> Iterator:
-    yield item
-    yield from rest
+_END = object()
+LONG_ROWS = 16  # slots with more rows (a prompt being prefilled) attend in a call of their own
+
+
+@dataclass
+class _AttentionGroup:
+    """Slots whose rows attend in one padded call: `count` slots x `q` query rows x `width` keys."""
+
+    slots: slice | torch.Tensor  # their cache slots (a slice where contiguous: a view, no copy)
+    count: int
+    q: int
+    width: int
+    mask: torch.Tensor  # (count, 1, q, width) bool
+    pad: torch.Tensor  # (count * q,) padded query row -> packed row
+    flat: torch.Tensor  # the padded indices of the real rows, in packed order
+    rows: torch.Tensor  # the packed rows of these slots
+
+
+def _attention_groups(masks: list[torch.Tensor], pasts: list[int], where: list[int],
+                      device: torch.device) -> list[_AttentionGroup]:
+    """The attention calls of a step. masks[s]: (rows, rows) bool, which of slot s's new rows see
+    which; every row also sees the slot's `pasts[s]` cached positions. Padding every slot to the
+    longest one's rows would make a step with one prompt being prefilled pay attention for ~30
+    rows in every slot: short and long slots attend apart."""
+    starts = [0]
+    for m in masks:
+        starts.append(starts[-1] + m.shape[0])
+    groups = []
+    for members in ([s for s, m in enumerate(masks) if m.shape[0] <= LONG_ROWS],
+                    [s for s, m in enumerate(masks) if m.shape[0] > LONG_ROWS]):
+        if not members:
+            continue
+        count, q = len(members), max(masks[s].shape[0] for s in members)
+        width = max(pasts[s] + masks[s].shape[0] for s in members)
+        past = torch.tensor([pasts[s] for s in members])
+        mask = (torch.arange(width)[None, None, :] < past[:, None, None]).expand(count, q, width).clone()
+        pad = torch.zeros(count, q, dtype=torch.long)
+        real = torch.zeros(count, q, dtype=torch.bool)
+        for j, s in enumerate(members):
+            rows = masks[s].shape[0]
+            mask[j, :rows, pasts[s]: pasts[s] + rows] = masks[s]
+            mask[j, rows:, 0] = True  # padding rows attend somewhere (no NaN); their output is dropped
+            pad[j, :rows] = torch.arange(starts[s], starts[s] + rows)
+            real[j, :rows] = True
+        cache = [where[s] for s in members]
+        contiguous = cache == list(range(cache[0], cache[0] + count))
+        groups.append(_AttentionGroup(
+            slots=slice(cache[0], cache[0] + count) if contiguous else torch.tensor(cache, device=device),
+            count=count, q=q, width=width, mask=mask[:, None].to(device), pad=pad.reshape(-1).to(device),
+            flat=(torch.arange(count)[:, None] * q + torch.arange(q)[None, :])[real].to(device),
+            rows=torch.cat([torch.arange(starts[s], starts[s + 1]) for s in members]).to(device)))
+    return groups
 
 
 def generate_many(model, requests: list[Request], batch_size: int = 16, **options) -> list[Generation]:

@@ -266,6 +266,16 @@ def _cmd(args: argparse.Namespace) -> int:
         return 1
     if args.task == "gec-batch":
         return _cmd_gec_batch(args, data)
+    if args.task == "rag-serve":
+        from specsuite.bench_serve import format_serve, run_rag_serve
+
+        report = run_rag_serve(args.model, data, args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+        print(f"\nrag-serve · {args.model} ({report['dtype']}) · {report['n']} questions · k={report['k']} · "
+              f"max_new_tokens={args.max_new_tokens}")
+        print(format_serve(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return 0
     report = run_bench(args.task, args.model, data, args.n, args.max_new_tokens, args.draft_model, args.dtype,
                        args.methods.split(",") if args.methods else None, args.tie_margin,
                        not args.no_prefix_cache)
@@ -312,8 +322,9 @@ def _cmd_gec_batch(args: argparse.Namespace, data: Path) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark our drafters against HF generate() on one model and data set")
-    p.add_argument("task", choices=sorted([*TASKS, "gec-batch"]),
-                   help="gec-batch: sentences/s of a file, the batched engine vs HF generate() on padded batches")
+    p.add_argument("task", choices=sorted([*TASKS, "gec-batch", "rag-serve"]),
+                   help="gec-batch: sentences/s of a file, the batched engine vs HF generate() on padded batches; "
+                   "rag-serve: N concurrent calls of the RAG app's ask endpoint vs N sequential ones")
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
     p.add_argument("--data", required=True, help="gec: a text file, one sentence a line; rag/summarize: Spec-Bench jsonl")
     p.add_argument("--n", type=int, default=10, help="number of prompts (default 10)")

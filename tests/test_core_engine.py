@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from specsuite.core import Draft, PromptLookupDrafter, Sampling
-from specsuite.core.engine import BatchEngine, DraftBudget, Request, StepCost, engine_supports, generate_many
+from specsuite.core.draft_budget import DraftBudget, StepCost
+from specsuite.core.engine import BatchEngine, Request, engine_supports, generate_many
 from test_core_generate import OracleTreeDrafter, hf_greedy, model_for, prompts
 
 FLAT = StepCost({1: 1.0, 512: 1.0})  # rows cost nothing: every draft is verified whole
@@ -140,9 +141,9 @@ def test_draft_budget_spends_rows_only_while_a_step_is_cheap():
 def test_step_cost_is_measured_once_and_kept(tmp_path):
     model = model_for("llama")
     engine = BatchEngine(model, 2, eos_token_id=[], cost=FLAT)
-    first = StepCost.measure(engine, rows=(1, 4), reps=1, cache_dir=tmp_path)
+    first = engine.measure_step_cost(rows=(1, 4), reps=1, cache_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 1 and all(s > 0 for s in first.secs)
-    again = StepCost.measure(engine, rows=(1, 4), reps=1, cache_dir=tmp_path)
+    again = engine.measure_step_cost(rows=(1, 4), reps=1, cache_dir=tmp_path)
     assert again.secs == first.secs  # read back, not measured again
 
 
@@ -162,3 +163,38 @@ def test_sampling_per_sequence_keeps_the_distribution():
     outs = generate_many(model, requests, batch_size=64, eos_token_id=[], cost=FLAT)
     assert sum(o.stats.accepted[1] for o in outs) > 0
     assert_matches(empirical([(o.tokens[1], o.tokens[2]) for o in outs]), exact)
+
+
+# ---- serving concurrent callers ------------------------------------------------------------
+
+def test_server_batches_concurrent_callers_and_streams_steps():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specsuite.core.batch_server import BatchServer
+
+    model = model_for("qwen2")
+    ps = prompts(6, seed=13)
+    truths = [hf_greedy(model, p, 12) for p in ps]
+    engine = BatchEngine(model, 4, eos_token_id=[], cost=FLAT)
+    server = BatchServer(engine)
+    steps: list[list[int]] = [[] for _ in ps]
+
+    def call(i: int):
+        request = Request(ps[i], PromptLookupDrafter(), max_new_tokens=12, on_step=lambda t, f: steps[i].extend(t))
+        return server.submit(request).result(timeout=60)
+
+    with ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(call, range(len(ps))))
+    assert [o.tokens for o in outs] == truths
+    assert steps == truths  # every step's tokens reached its caller
+    assert engine.forward_passes < sum(len(t) for t in truths)  # steps were shared
+
+    class Stop(Exception):
+        pass
+
+    def stop(tokens, flags):
+        raise Stop("the caller is gone")
+
+    with pytest.raises(Stop):  # an on_step that raises ends its own sequence only
+        server.submit(Request(ps[0], max_new_tokens=12, on_step=stop)).result(timeout=60)
+    assert server.submit(Request(ps[1], max_new_tokens=12)).result(timeout=60).tokens == truths[1]

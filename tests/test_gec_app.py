@@ -151,3 +151,26 @@ def test_corrector_reuses_the_instruction_and_keeps_greedy_output(smollm2_fp32, 
         assert g.tokens == expected, f"differs from HF greedy on {text!r}"
         assert (g.stats.cached_prompt_tokens > 0) == (i > 0)
     assert instruction_cache(types.SimpleNamespace(dtype=torch.bfloat16, config=model.config)) is None
+
+
+def test_batched_corrections_equal_hf_greedy_in_fp32(smollm2_fp32, sentences, hf_greedy):
+    """The batched engine (correct_many's default) on the real model: each sentence decodes as
+    its own greedy decoding (fp32: batch rows differ from one-row steps only in the last bits),
+    sentences joining and leaving the batch as they end (batch of 3 for 8 sentences)."""
+    model, tok = smollm2_fp32
+    corrector = Corrector.from_loaded(model, tok, max_new_tokens=MAX_NEW, batch_size=3)
+    expected = [tok.decode(t, skip_special_tokens=True).strip() for t in hf_greedy]
+    corrections = list(corrector.correct_many(sentences))
+    assert [c.text for c in corrections] == expected
+    assert [c.source for c in corrections] == sentences
+    assert sum(c.stats["accepted_tokens"] for c in corrections) > 0  # copy drafts were verified in the batch
+    assert all(c.stats["cached_prompt_tokens"] > 0 for c in corrections)  # the shared instruction
+
+
+def test_correct_each_reports_a_bad_text_and_goes_on(smollm2):
+    corrector = Corrector.from_loaded(*smollm2, max_new_tokens=8, batch_size=4)
+    out = list(corrector.correct_each(["I has a apple.", "   ", "She go home."]))
+    assert isinstance(out[1], ValueError) and "whitespace" in str(out[1])
+    assert out[0].source == "I has a apple." and out[2].source == "She go home."
+    with pytest.raises(ValueError, match="batch_size"):
+        Corrector.from_loaded(*smollm2, batch_size=0)

@@ -271,3 +271,42 @@ def test_two_runs_cannot_write_one_output(tmp_path):
         with pytest.raises(RuntimeError, match="another run"):
             run_batch(inp, out, FakeCorrector, progress=False)
     assert run_batch(inp, out, FakeCorrector, progress=False).ok == 1
+
+
+@pytest.mark.real_model
+def test_resume_after_kill_9_with_a_batch_in_flight(tmp_path, smollm2_fp32):
+    """The real corrector with the batched engine (8 sentences in flight): killed after its first
+    records, rerun, the output equals an uninterrupted run's, every line once and in order."""
+    from specsuite.apps.gec.corrector import Corrector
+
+    lines = [f"This are sentence number {i} and it have some error ." for i in range(1, 25)]
+    inp = write_lines(tmp_path / "in.txt", lines)
+    out = tmp_path / "out.jsonl"
+    script = (
+        "from specsuite.apps.gec.batch import run_batch\n"
+        "from specsuite.apps.gec.corrector import Corrector\n"
+        f"run_batch({str(inp)!r}, {str(out)!r}, lambda: Corrector('smollm2-135m', dtype='fp32', max_new_tokens=24, "
+        "batch_size=8), progress=False)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 300
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
+            assert child.poll() is None, "the child ended before it was killed"
+            assert time.monotonic() < deadline, "the child wrote nothing"
+            time.sleep(0.01)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    written = out.read_bytes().count(b"\n")
+    assert 1 <= written < len(lines)
+    model, tok = smollm2_fp32
+    factory = lambda: Corrector.from_loaded(model, tok, max_new_tokens=24, batch_size=8)  # noqa: E731
+    summary = run_batch(inp, out, factory, progress=False)
+    assert summary.skipped_resumed == written and summary.ok == len(lines)
+    whole = tmp_path / "whole.jsonl"
+    run_batch(inp, whole, factory, progress=False)
+    strip = lambda r: {k: v for k, v in r.items() if k != "stats"}  # noqa: E731 - timings differ
+    assert [strip(r) for r in read_jsonl(out)] == [strip(r) for r in read_jsonl(whole)]
+    assert [r["line"] for r in read_jsonl(out)] == list(range(1, len(lines) + 1))

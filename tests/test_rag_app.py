@@ -246,3 +246,64 @@ def test_prefix_cache_hit_without_a_draft(smollm2):
     passages = ["The sky looks blue because air scatters blue light more than red light. " * 3]
     qa.answer("Why is the sky blue?", passages)
     assert qa.answer("Why is the sky blue?", passages).stats["cached_prompt_tokens"] > 0
+
+
+QUESTIONS = ["Who built the Great Wall?", "What do honeybees make?", "Who commanded Apollo 11?",
+             "Where is the Great Wall?"]
+
+
+@pytest.mark.real_model
+def test_answer_each_decodes_questions_together_as_one_at_a_time(smollm2_fp32, demo_index):
+    """In fp32 the batched answers equal the one-at-a-time (exact) answers, in order; a bad
+    question gives its error in its place and the others go on."""
+    qa = RagQA.from_loaded(*smollm2_fp32, demo_index, max_new_tokens=16, prefix_cache_bytes=0)
+    alone = [qa.ask(q, 2).text for q in QUESTIONS]
+    out = list(qa.answer_each([QUESTIONS[0], "  ", *QUESTIONS[1:]], k=2, batch_size=3))
+    assert isinstance(out[1], ValueError) and "whitespace" in str(out[1])
+    assert [a.text for a in out[:1] + out[2:]] == alone
+    assert all(a.stats["new_tokens"] > 0 and a.passages for a in out[:1] + out[2:])
+
+
+@pytest.mark.real_model
+def test_concurrent_calls_join_one_batch(smollm2_fp32, demo_index):
+    from concurrent.futures import ThreadPoolExecutor
+
+    exact = RagQA.from_loaded(*smollm2_fp32, demo_index, max_new_tokens=16, prefix_cache_bytes=0)
+    alone = [exact.ask(q, 2).text for q in QUESTIONS]
+    served = RagQA.from_loaded(*smollm2_fp32, demo_index, max_new_tokens=16, batch_size=4)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda q: served.ask(q, 2), QUESTIONS))
+    assert [a.text for a in answers] == alone
+    engine = served._batch_server().engine
+    assert engine.forward_passes < sum(a.stats["forward_passes"] for a in answers)  # forwards were shared
+    streamed = list(served.stream_ask(QUESTIONS[0], 2))  # streaming through the batch
+    assert "".join(p.text for p in streamed[:-1]).strip() == streamed[-1].text == alone[0]
+
+
+@pytest.mark.real_model
+def test_cli_answer_a_file_of_questions_resumably(smollm2, demo_index, tmp_path, monkeypatch, capsys):
+    from specsuite.apps.rag import qa as qa_module
+    from specsuite.cli import main
+
+    demo_index.save(tmp_path / "idx")
+
+    def loaded_rag_qa(index_dir: str, model: str, **options) -> RagQA:  # the model fixture, not a fresh load
+        return RagQA.from_loaded(smollm2[0], smollm2[1], PassageIndex.load(index_dir), **options)
+
+    monkeypatch.setattr(qa_module, "RagQA", loaded_rag_qa)
+    inp = tmp_path / "questions.jsonl"
+    rows = [{"id": "a", "question": QUESTIONS[0]}, {"id": "b", "question": ""}, {"id": "c", "question": QUESTIONS[1]}]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json\n")
+    out = tmp_path / "answers.jsonl"
+    args = ["rag", "answer", str(inp), "-o", str(out), "--index", str(tmp_path / "idx"), "-k", "2",
+            "--max-new-tokens", "8", "--batch-size", "2"]
+    assert main(args) == 1  # errors were recorded
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["line"] for r in records] == [1, 2, 3, 4]
+    assert records[0]["id"] == "a" and records[0]["question"] == QUESTIONS[0] and records[0]["answer"]
+    assert len(records[0]["passages"]) == 2 and "stats" in records[0]
+    assert records[1]["id"] == "b" and "empty" in records[1]["error"]
+    assert "answer" in records[2] and "malformed JSON" in records[3]["error"]
+    assert "4 questions: 2 answered, 2 errors" in capsys.readouterr().out
+    assert main(args) == 1 and "(4 from an earlier run)" in capsys.readouterr().out  # nothing left to do
+    assert main([*args[:4], str(tmp_path / "out.txt"), *args[5:]]) == 1  # only .jsonl output

@@ -113,7 +113,7 @@ def run_batch(
                     errors += 1
                 else:
                     ok += 1
-                    warnings += record["truncated"]
+                    warnings += bool(record.get("truncated"))
                     rate = record["stats"].get("acceptance_rate")
                     if isinstance(rate, (int, float)) and math.isfinite(rate):
                         rate_sum, rate_count = rate_sum + rate, rate_count + 1
@@ -236,10 +236,12 @@ def _parse(
 
 def _corrected(record: dict, fallback: str | bytes, text: str, correction: Any) -> tuple[dict, str | bytes]:
     """The record of a parsed line (`record`: its number and fields) from its correction, or the
-    exception its correction raised."""
+    exception its correction raised. A result with `to_record()` (a RAG answer) gives its own fields."""
     if isinstance(correction, Exception):
         error = f"correction failed: {type(correction).__name__}: {correction}"
         return {**record, "source": text, "error": error}, fallback
+    if hasattr(correction, "to_record"):
+        return {**record, **correction.to_record()}, fallback
     return {
         **record, "source": text, "correction": correction.text,
         "edits": [_edit_dict(e) for e in correction.edits],

@@ -117,9 +117,12 @@ def _eval(args: argparse.Namespace) -> int:
         corrector = _corrector(args)
     except (ValueError, RuntimeError) as e:
         return _fail(str(e))
-    corrections = [c for c in tqdm(corrector.correct_many(sources), total=len(sources), unit="sent",
-                                   dynamic_ncols=True)]
-    hypotheses = [jfleg_tokens(c.text) for c in corrections]
+    results = list(tqdm(corrector.correct_each(sources), total=len(sources), unit="sent", dynamic_ncols=True))
+    corrections = [c for c in results if not isinstance(c, Exception)]
+    for number, c in enumerate(results, 1):
+        if isinstance(c, Exception):  # e.g. a blank line: scored as the source, left unchanged
+            print(f"line {number}: not corrected: {c}", file=sys.stderr)
+    hypotheses = [jfleg_tokens(s if isinstance(c, Exception) else c.text) for s, c in zip(sources, results)]
     if args.out:
         Path(args.out).write_text("".join(" ".join(h) + "\n" for h in hypotheses), encoding="utf-8")
     src_tokens = [tokenize(s) for s in sources]

@@ -8,12 +8,10 @@ decoding writes, only faster), and the corrections are put back into the text's 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 
-import torch
 
 from specsuite.core import Generation, PromptLookupDrafter, TextPiece, eos_token_ids, generate, turn_end_token
 from specsuite.core import stream as stream_generation
@@ -34,11 +32,10 @@ DRAFTERS = ("copy", "prompt-lookup", "none")
 # in the cheap region (`specsuite bench gec-batch` measures other sizes).
 DEFAULT_BATCH_SIZE = 32
 MAX_CONTEXT_LIMIT = 1024  # longer segments gain nothing and make one slow step of a batch
-CALIBRATION_TOKENS = 8  # HF generate() one-token steps timed once, for estimated_speedup
 
 # Stats that add up over segments and texts; the rates are derived from them (see combine_stats).
-SUMMED_STATS = ("segments", "prompt_tokens", "new_tokens", "forward_passes", "drafted_tokens",
-                "accepted_tokens", "prefill_s", "total_s", "estimated_plain_s")
+SUMMED_STATS = ("segments", "prompt_tokens", "cached_prompt_tokens", "new_tokens", "forward_passes",
+                "drafted_tokens", "accepted_tokens", "prefill_s", "total_s", "estimated_plain_s")
 
 
 @dataclass
@@ -60,9 +57,10 @@ def combine_stats(parts: Iterable[dict]) -> dict:
     """Sum the additive stats of segments (or of whole corrections) and derive the rates.
 
     `estimated_speedup` is an ESTIMATE of plain greedy decoding time / actual time: plain time is
-    taken as HF `generate()`'s prefill time per prompt token and one-token step time, measured once,
-    times the segment's prompt and new tokens. It is not a measurement of plain decoding on these
-    texts (run `specsuite bench gec` for that)."""
+    taken as the segment's own prefill plus one one-row step per further token, at the step cost
+    measured once per machine and model (`StepCost`). It is not a measurement of plain decoding on
+    these texts (run `specsuite bench gec` for that). In a batch, `total_s` is each segment's time
+    in flight, shared with the others: the estimate means little there."""
     parts = list(parts)
     out: dict = {key: sum(p.get(key) or 0 for p in parts) for key in SUMMED_STATS}
     for key in ("prefill_s", "total_s", "estimated_plain_s"):
@@ -100,7 +98,6 @@ class Corrector:
         # The prompt holds the segment, the reply may be twice as long: a quarter of the context
         # per segment keeps both inside it (1024 tokens for the presets).
         self.context_limit = min(context_length(model) // 4, MAX_CONTEXT_LIMIT)
-        self._plain_costs_s: tuple[float, float] | None = None  # see _plain_costs, timed on first use
         self.prefix_cache = instruction_cache(model)
         self._engine: BatchEngine | None = None  # made on the first batched call
 
@@ -257,30 +254,23 @@ class Corrector:
 
     def _segment_stats(self, g: Generation) -> dict:
         s = g.stats
-        per_prompt_token, step = self._plain_costs()
-        plain = per_prompt_token * s.prompt_tokens + max(0, s.new_tokens - 1) * step
-        return {"segments": 1, "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
+        # Plain decoding's time, estimated: our own prefill, then one one-row step per further
+        # token at the cost `specsuite step-cost` style measurement gives for this machine and
+        # model (measured once, cached on disk: see StepCost). An estimate, not a measurement.
+        step = self._one_row_step_s()
+        plain = s.prefill_s + max(0, s.new_tokens - 1) * step if step else 0.0
+        return {"segments": 1, "prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
+                "new_tokens": s.new_tokens,
                 "forward_passes": s.forward_passes, "drafted_tokens": sum(s.drafted),
                 "accepted_tokens": sum(s.accepted), "prefill_s": s.prefill_s, "total_s": s.total_s,
                 "estimated_plain_s": plain}
 
-    def _plain_costs(self) -> tuple[float, float]:
-        """Seconds of plain decoding (HF `generate()`, greedy) per prompt token of the prefill and
-        per one-token step, timed once on a short sentence.
-
-        Our own forwards cannot stand in for them: the prefill reuses the cached instruction and
-        runs on other kernels in fp32, and a verify forward over a long draft costs several
-        one-token forwards on a CPU."""
-        if self._plain_costs_s is None:
-            ids = torch.tensor([gec_prompt_ids(self.tokenizer, "This is a sentence.")])
-            times = []
-            for new in (1, 1 + CALIBRATION_TOKENS):
-                start = time.perf_counter()
-                self.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                    pad_token_id=self.eos[0], temperature=None, top_p=None, top_k=None)
-                times.append(time.perf_counter() - start)
-            self._plain_costs_s = (times[0] / ids.shape[1], max(0.0, times[1] - times[0]) / CALIBRATION_TOKENS)
-        return self._plain_costs_s
+    def _one_row_step_s(self) -> float | None:
+        """Seconds of a one-row decode step on this machine (the engine's measured step cost), or
+        None where the engine does not run this model."""
+        if not engine_supports(self.model):
+            return None
+        return self._batch_engine().budget.cost(1)
 
 
 def _check(drafter: str, max_new_tokens: int | None, batch_size: int = 1) -> None:

@@ -32,7 +32,8 @@ def _load_qa(args: argparse.Namespace, index_dir: str | Path):
 
     return RagQA(str(index_dir), model=args.model, drafter=args.drafter,
                  prefix_cache_bytes=0 if getattr(args, "no_prefix_cache", False) else None,
-                 max_new_tokens=args.max_new_tokens, max_question_tokens=args.max_question_tokens)
+                 max_new_tokens=args.max_new_tokens, max_question_tokens=args.max_question_tokens,
+                 batch_size=getattr(args, "serve_batch_size", 1))
 
 
 def _print_answer(answer) -> None:
@@ -74,6 +75,25 @@ def _ui(args: argparse.Namespace) -> int:
     build_app(qa, time_budget_s=args.time_budget).launch(server_name=args.host, server_port=args.port,
                                                          share=args.share)
     return 0
+
+
+def _answer(args: argparse.Namespace) -> int:
+    from specsuite.apps.gec.batch import ResumeError
+
+    from .bulk import answer_file
+
+    if not Path(args.input).is_file():
+        return retrieval_cli._fail(FileNotFoundError(f"no such file: {args.input}"))
+    try:
+        limits.check_k(args.k)
+        summary = answer_file(args.input, args.output, lambda: _load_qa(args, args.index), k=args.k,
+                              batch_size=args.batch_size, fmt=args.format, field=args.field)
+    except (ResumeError, *retrieval_cli._errors()) as e:
+        return retrieval_cli._fail(e)
+    resumed = f" ({summary.skipped_resumed} from an earlier run)" if summary.skipped_resumed else ""
+    print(f"{summary.total} questions{resumed}: {summary.ok} answered, {summary.errors} errors, "
+          f"{summary.warnings} truncated")
+    return 1 if summary.errors else 0
 
 
 def ensure_demo_index(rebuild: bool = False) -> Path:
@@ -136,7 +156,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds a request may take, waiting included (default 180; 0: no limit)")
     _model_options(u)
     u.add_argument("--no-prefix-cache", action="store_true", help="do not reuse prompt KV across questions")
+    u.add_argument("--batch-size", dest="serve_batch_size", type=retrieval_cli._positive_int, default=8,
+                   help="concurrent requests decoded together in one batch (default 8; 1: one at a time, "
+                   "token for token greedy)")
     u.set_defaults(func=_ui)
+
+    b = rag_sub.add_parser("answer", help="answer a file of questions (.txt a line, or .jsonl), resumably, "
+                           "many at once in the batched engine")
+    b.add_argument("input", metavar="QUESTIONS")
+    b.add_argument("-o", "--output", required=True, help="a .jsonl file: one record per question, in order")
+    b.add_argument("--index", required=True, help="the passage index (from `specsuite rag index`)")
+    b.add_argument("-k", type=retrieval_cli._positive_int, default=5, help="passages per question (default 5)")
+    b.add_argument("--field", default="question", help="the question's field in .jsonl input (default question)")
+    b.add_argument("--format", choices=["txt", "jsonl"], help="input format (default: from its extension)")
+    b.add_argument("--batch-size", type=retrieval_cli._positive_int, default=16,
+                   help="questions decoded together (default 16)")
+    _model_options(b)
+    b.set_defaults(func=_answer)
 
     d = rag_sub.add_parser("demo", help="index demos/corpus (once) and answer a sample question")
     d.add_argument("question", nargs="?", default=DEMO_QUESTION)

@@ -16,11 +16,13 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, Union
 
 from specsuite.apps.limits import Deadline, InputError, check_k, check_limit, check_text
 from specsuite.core import (Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece,
                             eos_token_ids, generate, stream)
+from specsuite.core.batch_server import BatchServer
+from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.generate import context_length
 from specsuite.core.models import DEFAULT_MODEL, load_model
 from specsuite.core.prefix_cache import lossless_by_default
@@ -107,6 +109,10 @@ class Answer:
             "stats": self.stats,
         }
 
+    def to_record(self) -> dict[str, Any]:
+        """The answer as a record of the bulk job (`specsuite rag answer`)."""
+        return {**self.to_json(), "truncated": self.stats.get("finish_reason") in ("length", "context")}
+
 
 class RagQA:
     """Answers questions from retrieved (or given) passages with one causal LM.
@@ -124,28 +130,36 @@ class RagQA:
 
     def __init__(self, index_dir: str | None = None, model: str = DEFAULT_MODEL, drafter: str = "reference",
                  prefix_cache_bytes: int | None = None, max_new_tokens: int = 256, dtype: str | None = None,
-                 max_question_tokens: int | None = None) -> None:
+                 max_question_tokens: int | None = None, batch_size: int = 1) -> None:
         index = None
         if index_dir is not None:
             from specsuite.retrieval import PassageIndex
 
             index = PassageIndex.load(index_dir)
         loaded, tokenizer = load_model(model, dtype=dtype)
-        self._setup(loaded, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens)
+        self._setup(loaded, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens,
+                    batch_size)
 
     @classmethod
     def from_loaded(cls, model, tokenizer, index: "PassageIndex | None" = None, drafter: str = "reference",
                     prefix_cache_bytes: int | None = None, max_new_tokens: int = 256,
-                    max_question_tokens: int | None = None) -> "RagQA":
+                    max_question_tokens: int | None = None, batch_size: int = 1) -> "RagQA":
         """A RagQA over an already loaded model, tokenizer and index (tests, notebooks)."""
         qa = cls.__new__(cls)
-        qa._setup(model, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens)
+        qa._setup(model, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens,
+                  batch_size)
         return qa
 
     def _setup(self, model, tokenizer, index, drafter: str, prefix_cache_bytes: int | None,
-               max_new_tokens: int, max_question_tokens: int | None) -> None:
+               max_new_tokens: int, max_question_tokens: int | None, batch_size: int) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        # batch_size > 1: concurrent calls join one running batch (BatchServer) instead of taking
+        # turns; each answer is then greedy up to the rounding of batched rows (a near-tie may flip).
+        self.batch_size = batch_size
+        self._server: BatchServer | None = None
         self.model, self.tokenizer, self.index = model, tokenizer, index
         self.drafter, self.max_new_tokens = drafter, max_new_tokens
         self.context = context_length(model)
@@ -181,6 +195,10 @@ class RagQA:
         return PromptLookupDrafter() if self.drafter == "prompt-lookup" else NoDrafter()
 
     def _generate(self, prompt: list[int], drafter: Drafter, deadline: Deadline, on_step=None) -> Generation:
+        if self.batch_size > 1:
+            deadline.check()
+            request = Request(prompt, drafter, max_new_tokens=self.max_new_tokens, on_step=deadline.on_step(on_step))
+            return self._batch_server().submit(request).result()
         deadline.acquire(self._lock)  # waits for another request's generation, within the budget
         try:
             deadline.check()
@@ -188,6 +206,47 @@ class RagQA:
                             on_step=deadline.on_step(on_step), prefix_cache=self.prefix_cache)
         finally:
             self._lock.release()
+
+    def _batch_server(self) -> BatchServer:
+        with self._lock:
+            if self._server is None:
+                self._server = BatchServer(BatchEngine(self.model, self.batch_size, eos_token_id=self.eos))
+            return self._server
+
+    def answer_each(self, questions: Iterable[str], k: int = 5, batch_size: int = 16) -> Iterator[Answer | Exception]:
+        """Answers to `questions` (read lazily) from their `k` retrieved passages, in order,
+        decoded together in the batched engine; a question that fails gives its exception (for
+        bulk jobs: `specsuite rag answer`)."""
+        k = check_k(k)
+        engine = BatchEngine(self.model, batch_size, eos_token_id=self.eos)
+        asked: dict[int, tuple[str, list[Scored], dict[str, Any]] | Exception] = {}
+
+        def requests() -> Iterator[Request]:
+            for i, question in enumerate(questions):
+                try:
+                    question, _ = self.validate(question)
+                    scored, extra = self._retrieve_timed(question, k)
+                    prompt, drafter = self._request(question, scored)
+                except Exception as e:  # noqa: BLE001 - reported in its place
+                    asked[i] = e
+                    prompt, drafter = [], None  # the engine refuses an empty prompt: a placeholder
+                else:
+                    asked[i] = (question, scored, extra)
+                yield Request(prompt, drafter, max_new_tokens=self.max_new_tokens)
+
+        done: dict[int, Generation | Exception] = {}
+        next_out = 0
+        for index, result in engine.run(requests()):
+            done[index] = result
+            while next_out in done:
+                result, item = done.pop(next_out), asked.pop(next_out)
+                if isinstance(item, Exception):
+                    yield item
+                elif isinstance(result, Exception):
+                    yield result
+                else:
+                    yield self._finish(item[0], item[1], result, item[2])
+                next_out += 1
 
     def _finish(self, question: str, scored: list[Scored], generation: Generation,
                 extra: dict[str, Any]) -> Answer:

@@ -1,0 +1,103 @@
+"""How many draft rows a batched step should verify: the measured cost of a step by its row count
+(`StepCost`) and the cap that gives the most expected tokens per second (`DraftBudget`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .draft import Draft
+
+
+class StepCost:
+    """Seconds of one engine forward by its number of rows (piecewise linear between measured
+    points, linear beyond the last one). Measured once per machine, model and dtype and kept on
+    disk (`BatchEngine.measure_step_cost`), so the draft budget follows this machine's kernels,
+    not constants."""
+
+    def __init__(self, points: dict[int, float]) -> None:
+        if not points or min(points) < 1:
+            raise ValueError("StepCost needs costs for row counts >= 1")
+        self.rows = sorted(points)
+        self.secs = [points[r] for r in self.rows]
+
+    def __call__(self, rows: int) -> float:
+        r, s = self.rows, self.secs
+        if rows <= r[0] or len(r) == 1:
+            return s[0] * max(rows, 1) / r[0] if rows > r[0] else s[0]
+        for i in range(1, len(r)):
+            if rows <= r[i]:
+                return s[i - 1] + (s[i] - s[i - 1]) * (rows - r[i - 1]) / (r[i] - r[i - 1])
+        return s[-1] + (s[-1] - s[-2]) * (rows - r[-1]) / (r[-1] - r[-2])
+
+    @classmethod
+    def load(cls, path: Path | None, rows: list[int]) -> "StepCost | None":
+        """The cost kept at `path` if it has every row count of `rows`, else None."""
+        if path is None or not path.exists():
+            return None
+        try:
+            saved = {int(k): float(v) for k, v in json.loads(path.read_text())["seconds"].items()}
+        except (ValueError, KeyError, TypeError, OSError):
+            return None  # unreadable: measure again
+        return cls({r: saved[r] for r in rows}) if set(rows) <= set(saved) else None
+
+    def save(self, path: Path | None) -> None:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"seconds": dict(zip(map(str, self.rows), self.secs))}))
+
+
+def cost_file(model, cache_dir: str | Path | None = None) -> Path | None:
+    """Where the step cost of this model, dtype, machine and thread count is kept (None: nowhere,
+    with SPECSUITE_NO_COST_CACHE set)."""
+    if cache_dir is None:
+        if os.environ.get("SPECSUITE_NO_COST_CACHE"):
+            return None
+        cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specsuite" / "step_cost"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        cpu = ""
+    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    key = f"v2|{name}|{model.dtype}|{model.device}|{cpu}|{torch.get_num_threads()}|{torch.__version__}"
+    return Path(cache_dir) / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
+
+
+class DraftBudget:
+    """How many draft nodes each slot may verify in the next step: the cap that maximises the
+    expected new tokens per second of the whole step (goodput, as in SmartSpec).
+
+    A slot whose drafts were accepted at rate `a` so far expects sum(a^i, i = 1..c) extra tokens
+    from c nodes; the step costs `cost(rows)`. Few sequences in flight: long drafts are nearly
+    free. A full batch: the extra rows cost more than they bring, and the cap drops to 0."""
+
+    CAPS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+    def __init__(self, cost: StepCost, prior: float = 0.7) -> None:
+        self.cost, self.prior = cost, prior
+
+    def cap(self, fresh_rows: int, drafts: list[Draft | None], rates: list[float]) -> int:
+        best, best_rate = 0, -1.0
+        for c in self.CAPS:
+            rows = fresh_rows
+            gain = float(len(drafts))
+            for d, a in zip(drafts, rates):
+                k = min(c, len(d)) if d is not None else 0
+                rows += k
+                gain += a * (1 - a ** k) / (1 - a) if a < 1 else k
+            rate = gain / self.cost(rows)
+            if rate > best_rate * 1.0001:  # ties: the smaller cap
+                best, best_rate = c, rate
+            if all(d is None or len(d) <= c for d in drafts):
+                break
+        return best
+
+    def rate(self, accepted: int, offered: int) -> float:
+        """Acceptance rate of a sequence's drafts so far (`accepted` of `offered` tokens), starting
+        from the prior, clamped below 1."""
+        return min(0.98, (accepted + 4 * self.prior) / (offered + 4))
