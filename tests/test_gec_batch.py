@@ -190,6 +190,20 @@ def test_resuming_a_finished_job_does_not_load_the_corrector(tmp_path, suffix):
     assert again.skipped_resumed == 3 and again.errors == 1 and again.warnings == 1
 
 
+def kill_9_after(child: subprocess.Popen, out: Path, lines: int, within_s: float) -> None:
+    """SIGKILL `child` as soon as `out` holds `lines` lines."""
+    try:
+        deadline = time.monotonic() + within_s
+        while not (out.exists() and out.read_bytes().count(b"\n") >= lines):
+            assert child.poll() is None, "the child ended before it was killed"
+            assert time.monotonic() < deadline, "the child wrote nothing"
+            time.sleep(0.01)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
 def test_resume_after_kill_9(tmp_path, suffix):
     inp = write_lines(tmp_path / "in.txt", INPUT)
@@ -201,17 +215,8 @@ def test_resume_after_kill_9(tmp_path, suffix):
         "from specsuite.apps.gec.batch import run_batch\n"
         f"run_batch({str(inp)!r}, {str(out)!r}, lambda: FakeCorrector(delay=0.05), progress=False)\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline = time.monotonic() + 60
-        while not (out.exists() and out.read_bytes().count(b"\n") >= 10):
-            assert child.poll() is None, "the child ended before it was killed"
-            assert time.monotonic() < deadline, "the child wrote nothing"
-            time.sleep(0.02)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
+    kill_9_after(subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"}),
+                 out, lines=10, within_s=60)
     written = out.read_bytes().count(b"\n")
     assert 10 <= written < len(INPUT)
     summary = run_batch(inp, out, FakeCorrector, progress=False)
@@ -288,17 +293,7 @@ def test_resume_after_kill_9_with_a_batch_in_flight(tmp_path, smollm2_fp32):
         f"run_batch({str(inp)!r}, {str(out)!r}, lambda: Corrector('smollm2-135m', dtype='fp32', max_new_tokens=24, "
         "batch_size=8), progress=False)\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        deadline = time.monotonic() + 300
-        while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
-            assert child.poll() is None, "the child ended before it was killed"
-            assert time.monotonic() < deadline, "the child wrote nothing"
-            time.sleep(0.01)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
+    kill_9_after(subprocess.Popen([sys.executable, "-c", script]), out, lines=1, within_s=300)
     written = out.read_bytes().count(b"\n")
     assert 1 <= written < len(lines)
     model, tok = smollm2_fp32
