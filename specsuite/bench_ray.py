@@ -2,7 +2,7 @@
 
 Times the real commands end to end (a fresh process each: imports, model loading, the job), on the
 first N lines of a file (JFLEG dev): `specsuite gec correct` on one machine with 2 torch threads,
-and the same command with `--ray ADDRESS` joining a local 2-CPU cluster on 127.0.0.1, with 1 and 2
+and the same command with `--ray ADDRESS` joining a local one-node 2-CPU cluster, with 1 and 2
 actors of 1 thread, and 1 actor of 2 threads (the Ray path's overhead: the same CPUs as the
 one-machine job). The cluster is started once, after the one-machine job, and its start is
 reported apart (`--ray local` pays it, joining a running cluster does not). Both use the batched
@@ -64,8 +64,7 @@ def _bench(args: argparse.Namespace) -> int:
         reference = Path(tmp) / "local.txt"
         rows.append(("one machine", f"1 process x {LOCAL_THREADS} threads", _timed(correct + [str(reference)]), n))
         start = time.perf_counter()
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         cluster_s = time.perf_counter() - start
         try:
             address = ray.get_runtime_context().gcs_address

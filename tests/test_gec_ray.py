@@ -1,4 +1,4 @@
-"""The batch job on a real local Ray cluster (127.0.0.1, 2 CPUs) with smollm2-135m: its output
+"""The batch job on a real local Ray cluster (one node, 2 CPUs) with smollm2-135m: its output
 equals the one-machine job's, also after an actor or the driver is killed mid-job."""
 
 import functools
@@ -69,9 +69,12 @@ def reference(smollm2, input_file, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def cluster(smollm2):
-    """A local cluster on 127.0.0.1 with 2 CPUs, stopped at the end with every process it started.
+    """A one-node cluster on this machine with 2 CPUs, stopped at the end with every process it started.
+    (Ray 2.x registers a local node under the machine's own IP even when asked for 127.0.0.1:
+    `services.resolve_ip_for_localhost`; it is still this machine only.)
     (`smollm2` first: the model is on disk before the actors load it.)"""
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # address="local": a new cluster, never one that `ray start` left running on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     actor_pids: set[int] = set()
     try:
         yield actor_pids
