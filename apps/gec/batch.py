@@ -94,7 +94,7 @@ def run_batch(
         raise ValueError(f"fmt must be 'txt' or 'jsonl', got {fmt!r}")
     if output_path.exists() and output_path.resolve() == input_path.resolve():
         raise ValueError("the output path is the input path")
-    total = _count_lines(input_path)
+    total = count_lines(input_path)
     writer = TextWriter(output_path) if output_path.suffix == ".txt" else JsonlWriter(output_path)
     with writer:
         done = writer.resume()
@@ -134,8 +134,8 @@ def _format_of(path: Path) -> str:
     raise ValueError(f"cannot tell the format of {path} from its extension: pass fmt='txt' or 'jsonl'")
 
 
-def _count_lines(path: Path) -> int:
-    """Lines as `_lines` yields them: a last line without "\\n" counts, an empty tail does not."""
+def count_lines(path: Path) -> int:
+    """Lines as `_lines` (and the Ray job's `read_block`) yield them: a last line without "\\n" counts, an empty tail does not."""
     count, last = 0, b"\n"
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):

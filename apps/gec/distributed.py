@@ -34,7 +34,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .batch import BatchSummary, CorrectorLike, JsonlWriter, ResumeError, TextWriter, correct_lines
+from .batch import BatchSummary, CorrectorLike, JsonlWriter, ResumeError, TextWriter, correct_lines, count_lines
 
 # The default block size: about BLOCKS_PER_WORKER equal blocks per actor, so that the last ones
 # balance out, but at least MIN_BLOCK_LINES lines (twice the batched engine's default batch: a block
@@ -73,16 +73,6 @@ class BlockDone:
 
 
 # ---- the input ---------------------------------------------------------------------------
-
-def count_lines(path: Path) -> int:
-    """Lines as `read_block` yields them: a last line without "\\n" counts, an empty tail does not."""
-    count, last = 0, b"\n"
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            count += chunk.count(b"\n")
-            last = chunk[-1:]
-    return count + (last != b"\n")
-
 
 def split_blocks(path: Path, block_lines: int) -> list[Block]:
     """The input's blocks of `block_lines` lines (the last one shorter)."""
