@@ -24,6 +24,7 @@ one-sequence path. Llama-family models (Llama, Qwen2) with full attention.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -194,10 +195,10 @@ class BatchEngine:
 
     @torch.inference_mode()
     def _step_forward(self, slots: list[_Slot], drafts: list[Draft | None], logits_rows: int | None = None,
-                      where: list[int] | None = None) -> list[torch.Tensor]:
+                      where: list[int] | None = None) -> torch.Tensor:
         """One forward over every slot's [fresh tokens, draft nodes]. `where[i]`: the cache slot of
-        `slots[i]` (default i). Returns per slot its (1 + nodes, vocab) logits: the root (last
-        fresh token) and each node (`logits_rows`=1: the root only)."""
+        `slots[i]` (default i). Returns the logits, slot after slot, of its root (last fresh
+        token) and each draft node (`logits_rows`=1: the root only): (rows, vocab)."""
         model, device = self.model, self.model.device
         where = list(range(len(slots))) if where is None else where
         ids, positions, slot_of_row, write_at, wanted = [], [], [], [], []
@@ -253,8 +254,7 @@ class BatchEngine:
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             logits = model.lm_head(body.norm(x[:, to_dev(torch.tensor(wanted))]))[0]
         self.forward_passes += 1
-        per_slot = [1 + (len(d) if d is not None and logits_rows is None else 0) for d in drafts]
-        return list(logits.split(per_slot))
+        return logits
 
     # ---- decoding --------------------------------------------------------------------------
 
@@ -314,9 +314,13 @@ class BatchEngine:
                 # 3. one forward, 4. verify and commit
                 t0 = time.perf_counter()
                 logits = self._step_forward(live, drafts, where=active)
-                for i, slot, draft, rows in zip(active, live, drafts, logits):
+                sizes = [1 + (len(d) if d is not None else 0) for d in drafts]
+                best = top_two(logits)[0].tolist()  # every row's argmax in one call (greedy verification)
+                for i, slot, draft, rows, first in zip(active, live, drafts, logits.split(sizes),
+                                                       itertools.accumulate([0, *sizes])):
                     try:
-                        finished = self._commit(slot, draft, rows, i, time.perf_counter() - t0)
+                        finished = self._commit(slot, draft, rows, best[first: first + len(rows)], i,
+                                                time.perf_counter() - t0)
                     except Exception as e:  # noqa: BLE001 - e.g. on_step ended it (a time budget, a closed stream)
                         yield from self._retire(slots, i, e)
                         continue
@@ -386,19 +390,20 @@ class BatchEngine:
             raise ValueError(f"drafter {slot.drafter.name!r} proposed token ids outside the vocabulary")
         return draft
 
-    def _commit(self, slot: _Slot, draft: Draft | None, logits: torch.Tensor, cache_slot: int,
+    def _commit(self, slot: _Slot, draft: Draft | None, logits: torch.Tensor, best: list[int], cache_slot: int,
                 step_s: float) -> str | None:
-        """Verify the slot's draft, keep the accepted path's KV, append the new tokens. Returns
-        the finish reason, or None while the sequence goes on."""
+        """Verify the slot's draft against its `logits` rows (`best`: their argmax), keep the
+        accepted path's KV, append the new tokens. Returns the finish reason, or None while the
+        sequence goes on."""
         sampling = slot.request.sampling
         if draft is None:
             path = []
             if sampling is None:
-                nxt = int(top_two(logits[:1])[0])
+                nxt = best[0]
             else:
                 nxt = int(torch.multinomial(warp(logits[:1], sampling)[0], 1, generator=slot.request.generator))
         elif sampling is None:
-            path, nxt = verify_greedy(draft, logits)
+            path, nxt = verify_greedy(draft, logits, best=best)
         else:
             path, nxt = verify_sample(draft, logits, sampling, slot.request.generator)
         base = slot.length + len(slot.fresh)  # cache index of draft node 0

@@ -75,7 +75,8 @@ def _children(draft: Draft) -> dict[int, list[int]]:
     return kids
 
 
-def verify_greedy(draft: Draft, logits: torch.Tensor, tie_margin: float = 0.0) -> tuple[list[int], int | None]:
+def verify_greedy(draft: Draft, logits: torch.Tensor, tie_margin: float = 0.0,
+                  best: list[int] | None = None) -> tuple[list[int], int | None]:
     """Accept the longest draft path that greedy decoding would have produced.
 
     logits: (n + 1, vocab); row 0 is the root, row i + 1 is draft node i.
@@ -84,12 +85,16 @@ def verify_greedy(draft: Draft, logits: torch.Tensor, tie_margin: float = 0.0) -
     tie_margin: a row whose top two logits are closer than this is not trusted. A multi-token
     forward rounds differently from the one-token forwards of plain decoding (other kernels, other
     summation order), which can flip a near-tie. The path then stops before that row and the next
-    token is None: the caller recomputes that position with a one-token forward."""
-    best_t, first, second = top_two(logits)
-    best = best_t.tolist()  # argmax, like generate(): the first index among exact ties
+    token is None: the caller recomputes that position with a one-token forward.
+
+    best: each row's argmax where the caller has it already (a batch takes all its rows' at once);
+    only without a tie margin."""
     unsure = None
-    if tie_margin > 0:
-        unsure = (first - second < tie_margin).tolist()
+    if best is None or tie_margin > 0:
+        best_t, first, second = top_two(logits)
+        best = best_t.tolist()  # argmax, like generate(): the first index among exact ties
+        if tie_margin > 0:
+            unsure = (first - second < tie_margin).tolist()
     kids = None if draft.is_chain else _children(draft)
     path: list[int] = []
     row = 0
