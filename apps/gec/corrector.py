@@ -12,7 +12,6 @@ from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 
-
 from specsuite.core import Generation, PromptLookupDrafter, TextPiece, eos_token_ids, generate, turn_end_token
 from specsuite.core import stream as stream_generation
 from specsuite.core.draft import Drafter
