@@ -104,8 +104,10 @@ class Drafter:
         list, so it must not be modified). At most `max_depth` tokens deep. None: no draft."""
         raise NotImplementedError
 
-    def update(self, accepted: int, drafted: int) -> None:
-        """The last draft (of `drafted` nodes) had its first `accepted` tokens verified."""
+    def update(self, draft: Draft | None, path: list[int]) -> None:
+        """The last proposal (None: no draft) had the nodes `path` accepted: indices into
+        `draft.tokens`, root to leaf. The target's own next token follows them (the next
+        `propose` sees it at the end of `tokens`)."""
 
 
 class NoDrafter(Drafter):

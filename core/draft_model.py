@@ -71,5 +71,5 @@ class DraftModelDrafter(Drafter):
             return None
         return Draft.chain(draft, torch.stack(probs) if self.sampling is not None else None)
 
-    def update(self, accepted: int, drafted: int) -> None:
-        self.length.update(accepted, drafted)
+    def update(self, draft: Draft | None, path: list[int]) -> None:
+        self.length.update(len(path), len(draft) if draft else 0)

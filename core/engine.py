@@ -426,7 +426,7 @@ class BatchEngine:
         if n:
             slot.offered += min(n, max(draft.depths))
             slot.accepted += len(path)
-        slot.drafter.update(len(path), n)
+        slot.drafter.update(draft, path)
         step = [draft.tokens[i] for i in path] + [nxt]
         flags = [True] * len(path) + [False]
         finish = None

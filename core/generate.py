@@ -348,7 +348,7 @@ def generate(
         stats.forward_passes += 1
         stats.drafted.append(n)
         stats.accepted.append(len(path))
-        drafter.update(len(path), n)
+        drafter.update(draft, path)
         if ladder is not None and n:
             ladder.update(len(path), max(draft.depths))
 

@@ -68,5 +68,5 @@ class PromptLookupDrafter(Drafter):
         draft = tokens[start: start + min(self.length.value, max_depth)]
         return Draft.chain(draft) if draft else None
 
-    def update(self, accepted: int, drafted: int) -> None:
-        self.length.update(accepted, drafted)
+    def update(self, draft: Draft | None, path: list[int]) -> None:
+        self.length.update(len(path), len(draft) if draft else 0)

@@ -113,9 +113,9 @@ class OracleTreeDrafter(Drafter):
         self.proposals += 1
         return Draft.from_paths(paths)
 
-    def update(self, accepted, drafted):
-        self.accepted += accepted
-        self.drafted += drafted
+    def update(self, draft, path):
+        self.accepted += len(path)
+        self.drafted += len(draft) if draft else 0
 
 
 @pytest.fixture

@@ -47,16 +47,16 @@ def run_drafter(drafter: ReferenceDrafter, prompt: list[int], output: list[int],
         draft = drafter.propose(tokens, max_depth)
         drafts.append(draft)
         want = output[len(tokens) - len(prompt):]
-        accepted, node = [], -1
+        path, node = [], -1
         while draft is not None:  # walk the tree along the target's tokens
             child = next((i for i, (t, p) in enumerate(zip(draft.tokens, draft.parents))
-                          if p == node and len(accepted) < len(want) and t == want[len(accepted)]), None)
+                          if p == node and len(path) < len(want) and t == want[len(path)]), None)
             if child is None:
                 break
-            accepted.append(draft.tokens[child])
+            path.append(child)
             node = child
-        drafter.update(len(accepted), len(draft) if draft else 0)
-        tokens += want[: len(accepted) + 1]
+        drafter.update(draft, path)
+        tokens += want[: len(path) + 1]
     return drafts
 
 

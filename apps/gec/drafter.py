@@ -154,5 +154,5 @@ class CopyDrafter(Drafter):
         hit = self.fallback.lookup(tokens, 2)
         return Draft.chain(tokens[hit[0]: hit[0] + min(8, max_depth)]) if hit else None
 
-    def update(self, accepted: int, drafted: int) -> None:
-        self.length.update(accepted, drafted)
+    def update(self, draft: Draft | None, path: list[int]) -> None:
+        self.length.update(len(path), len(draft) if draft else 0)

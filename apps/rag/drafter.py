@@ -151,9 +151,9 @@ class ReferenceDrafter(Drafter):
         self.depth = max(map(len, paths), default=0)
         return Draft.from_paths(paths) if paths else None
 
-    def update(self, accepted: int, drafted: int) -> None:
-        if not drafted:
+    def update(self, draft: Draft | None, path: list[int]) -> None:
+        if not draft:
             return
-        self.misses = 0 if accepted else self.misses + 1
+        self.misses = 0 if path else self.misses + 1
         # The length follows the deepest path: a tree never has all its nodes accepted.
-        self.length.update(accepted, self.depth)
+        self.length.update(len(path), self.depth)
