@@ -51,9 +51,9 @@ class StepCost:
             path.write_text(json.dumps({"seconds": dict(zip(map(str, self.rows), self.secs))}))
 
 
-def cost_file(model, cache_dir: str | Path | None = None) -> Path | None:
-    """Where the step cost of this model, dtype, machine and thread count is kept (None: nowhere,
-    with SPECSUITE_NO_COST_CACHE set)."""
+def cost_file(model, cache_dir: str | Path | None = None, measure: str = "engine") -> Path | None:
+    """Where a measured cost (`measure`: what was timed) of this model, dtype, machine and thread
+    count is kept (None: nowhere, with SPECSUITE_NO_COST_CACHE set)."""
     if cache_dir is None:
         if os.environ.get("SPECSUITE_NO_COST_CACHE"):
             return None
@@ -64,7 +64,7 @@ def cost_file(model, cache_dir: str | Path | None = None) -> Path | None:
     except OSError:
         cpu = ""
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
-    key = f"v2|{name}|{model.dtype}|{model.device}|{cpu}|{torch.get_num_threads()}|{torch.__version__}"
+    key = f"v2|{measure}|{name}|{model.dtype}|{model.device}|{cpu}|{torch.get_num_threads()}|{torch.__version__}"
     return Path(cache_dir) / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 

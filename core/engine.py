@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from . import decoder_forward
 from .draft import Draft, Drafter, NoDrafter
 from .draft_budget import DraftBudget, StepCost, cost_file
-from .exact_attention import block_rows
+from .backend import backend_for
 from .generate import Generation, GenerationStats, StepCallback, context_length, eos_token_ids
 from .verify import Sampling, top_two, tree_attention_mask, verify_greedy, verify_sample, warp
 
@@ -227,9 +227,9 @@ class BatchEngine:
         slot_t, write_t = to_dev(torch.tensor(slot_of_row)), to_dev(torch.tensor(write_at))
         body = model.model
         rotate = sys.modules[type(model).__module__].apply_rotary_pos_emb
-        # block_rows(n, n): every row is a block row; the linear layers take the fastest plain kernel
-        # for the row count (exact_linear's fp32 kernels on the CPU, plain F.linear in bf16).
-        with block_rows(n, n):
+        # Every row is a block row: the linear layers take the backend's kernel for a whole block
+        # (exact_linear's fp32 kernels on the CPU, plain F.linear in bf16).
+        with backend_for(model).rows(n, n):
             x = body.embed_tokens(ids_t)
             cos, sin = body.rotary_emb(x, pos_t)
             for i, layer in enumerate(self.layers):

@@ -28,18 +28,19 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specsuite_exact"
 
-# (leading plain rows, all rows, memo) of the current forward: the prompt/fresh tokens, then the
-# draft; the memo keeps what every layer of the forward would otherwise work out again.
-_block_rows: contextvars.ContextVar[tuple[int, int, dict] | None] = contextvars.ContextVar("specsuite_block_rows",
-                                                                                           default=None)
+# (leading plain rows, all rows, memo, linear form) of the current forward: the prompt/fresh tokens,
+# then the draft; the memo keeps what every layer of the forward would otherwise work out again;
+# the linear form is how `exact_linear.ExactLinear` computes the rows (None: plain F.linear).
+_block_rows: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("specsuite_block_rows", default=None)
 
 
 @contextlib.contextmanager
-def block_rows(n: int, total: int):
+def block_rows(n: int, total: int, linear=None):
     """Within this context, forwards of `total` rows compute their first `n` rows as one block, as a
-    prefill does, and the others each as a one-token decode step would (attention and, where
-    `exact_linear` is installed, the linear layers). One context per forward."""
-    token = _block_rows.set((n, total, {}))
+    prefill does, and the others each as a one-token decode step would (attention and, with
+    `linear`, a function (layer, x, block) -> y, the `ExactLinear` layers). One context per forward;
+    a `core.backend.Backend` opens it."""
+    token = _block_rows.set((n, total, {}, linear))
     try:
         yield
     finally:
@@ -50,6 +51,12 @@ def current_rows() -> tuple[int, int] | None:
     """(block rows, all rows) of the forward running now, or None outside `block_rows`."""
     rows = _block_rows.get()
     return rows[:2] if rows else None
+
+
+def current_linear():
+    """How the linear layers compute the rows of the forward running now (None: plain F.linear)."""
+    rows = _block_rows.get()
+    return rows[3] if rows else None
 
 
 def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

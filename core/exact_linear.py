@@ -40,20 +40,19 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .exact_attention import current_rows
+from .exact_attention import current_linear, current_rows
 
 PLAIN_ROWS = 32
 PAD_COLUMNS = 33
 
 
 class ExactLinear(torch.nn.Linear):
-    """`nn.Linear` whose rows round as in plain decoding under `block_rows` (bf16 weights on the
-    CPU: the rules are the CPU kernel's), and take the fastest kernel there in fp32."""
+    """`nn.Linear` that computes the rows of a forward in the form its `block_rows` context names
+    (`bf16_rows`, `fp32_linear`: the backend's choice); elsewhere a plain `F.linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (1, rows, in) -> (1, rows, out); any other input is a plain `F.linear`."""
-        rows = current_rows()
-        layer_rows = FORWARDS.get(self.weight.dtype)
+        rows, layer_rows = current_rows(), current_linear()
         if rows is None or layer_rows is None or self.weight.device.type != "cpu" or x.dim() != 3 or x.shape[0] != 1:
             return F.linear(x, self.weight, self.bias)
         block, total = rows
@@ -174,6 +173,3 @@ def _form(out_features: int, in_features: int, bias: bool) -> str:
             return form
     return "rows"
 
-
-# How ExactLinear computes the rows of generate()'s forwards, by weight dtype (others: plain `F.linear`).
-FORWARDS = {torch.bfloat16: bf16_rows, torch.float32: fp32_linear}

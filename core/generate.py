@@ -9,7 +9,6 @@ it is distributed as plain sampling.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -17,10 +16,9 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from . import decoder_forward
+from .backend import Backend, backend_for, plain_backend
 from .draft import Draft, Drafter, NoDrafter, SizeLadder
-from .exact_attention import NAME as EXACT_ATTENTION, block_rows
-from .verify import Sampling, top_two, tree_attention_mask, verify_greedy, verify_sample, warp
+from .verify import Sampling, top_two, verify_greedy, verify_sample, warp
 
 # Called after every step with the new tokens and, per token, whether it came from an accepted draft.
 StepCallback = Callable[[list[int], list[bool]], None]
@@ -105,56 +103,6 @@ def context_length(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
 
 
-def _tie_margin(model) -> float:
-    """Logit gap below which a multi-token forward's argmax is not trusted to match plain decoding.
-
-    Without exact attention, rows differ from one-token forwards by up to ~0.17 in bf16 (measured on
-    Qwen2.5-0.5B). With exact attention and exact linear layers in bf16, every row rounds bit for
-    bit as in a one-token step, so no guard is needed (measured on Qwen2.5-0.5B: 100 of 100 JFLEG
-    corrections identical to greedy without one). In fp32 every row runs on faster kernels than
-    plain decoding's (exact_linear.py) and differs from it by up to ~4e-5 (Qwen2.5-0.5B's logits
-    after a prefill, measured on JFLEG prompts): a guard 25x wider."""
-    exact = model.config._attn_implementation == EXACT_ATTENTION
-    if model.dtype == torch.bfloat16:
-        return 0.0 if exact else 0.25
-    if model.dtype == torch.float16:
-        return 0.02 if exact else 0.05
-    return 1e-3
-
-
-# fp32 on the CPU: a verify step of 2-4 rows costs 1.1-1.2x a one-row step, 5-9 rows ~1.4-1.7x,
-# 16-17 ~2x, 32-33 ~2.7x (`specsuite step-cost`, Qwen2.5-0.5B on an AVX2-only CPU, with
-# exact_linear's fp32 kernels). Replayed on 100 JFLEG outputs with such costs, drafts capped at 3
-# nodes needed about a quarter less decode time than uncapped ones; the ladder, which grows on
-# whole acceptances, did as well there and lets long copies (summaries) draft more. (Replayed again
-# with the oneDNN kernels' costs: other ladders such as (3, 11, 31) within ~3%, uncapped 7% more.)
-FP32_CPU_DRAFT_SIZES = (3, 7, 15, 31)
-
-
-# fp32 on the CPU, a prefill is compute-bound: 8 more rows after a 30-row GEC prompt suffix cost
-# ~0.45 of a one-token step, 16 rows ~0.9 (Qwen2.5-0.5B, measured ad hoc), so the prefill verifies a
-# draft too. Replayed on 100 JFLEG outputs with those costs, an 8-node draft in the prefill saved
-# ~10% of the decode time, 16 nodes as much, 32 less.
-FP32_CPU_PREFILL_DRAFT = 8
-
-
-def _fp32_cpu(model) -> bool:
-    return model.dtype == torch.float32 and model.device.type == "cpu"
-
-
-def default_draft_sizes(model) -> tuple[int, ...]:
-    """The `draft_sizes` ladder for this model's kernels (see `SizeLadder`); () for no cap (bf16,
-    where a verify step's cost grows smoothly with its rows)."""
-    return FP32_CPU_DRAFT_SIZES if _fp32_cpu(model) else ()
-
-
-def default_prefill_draft(model) -> int:
-    """Draft nodes the prefill verifies along with the prompt: 8 in fp32 on the CPU; 0 in bf16,
-    where draft rows must run apart from the prompt's to round as decode steps do, which in an
-    experiment on JFLEG sentences cost as much as the step it saves."""
-    return FP32_CPU_PREFILL_DRAFT if _fp32_cpu(model) else 0
-
-
 def _keep_path(cache: DynamicCache, root: int, path: list[int], n: int) -> None:
     """The cache holds tokens up to the root (at index `root`) + n draft nodes: keep the nodes on `path`."""
     if path == list(range(len(path))):  # a prefix of the laid-out nodes: a plain crop
@@ -165,32 +113,6 @@ def _keep_path(cache: DynamicCache, root: int, path: list[int], n: int) -> None:
     for layer in cache.layers:
         layer.keys = torch.cat([layer.keys[..., : root + 1, :], layer.keys[..., keep, :]], dim=-2)
         layer.values = torch.cat([layer.values[..., : root + 1, :], layer.values[..., keep, :]], dim=-2)
-
-
-def _forward(model, fresh: list[int], cache: DynamicCache, past: int, draft: Draft | None,
-             plain: bool = False) -> torch.Tensor:
-    """One target forward over [fresh tokens..., draft nodes...] after `past` cached tokens.
-    Returns (1 + len(draft), vocab) logits: row 0 for the last fresh token (the root), then one per node.
-    plain: computed as the model's own forward does (no draft allowed), not in exact_attention's
-    and exact_linear's forms."""
-    n = len(draft) if draft else 0
-    ids = torch.tensor([fresh + (draft.tokens if draft else [])], device=model.device)
-    positions, mask = None, None  # a chain needs no mask: plain causal attention
-    if draft is not None and not draft.is_chain:
-        root = past + len(fresh) - 1
-        positions = torch.tensor([list(range(past, root + 1)) + [root + d for d in draft.depths]],
-                                 device=model.device)
-        mask = tree_attention_mask(draft, past, len(fresh) - 1, model.device)
-        if model.config._attn_implementation == "eager":
-            mask = torch.zeros(mask.shape, dtype=model.dtype, device=model.device).masked_fill(
-                ~mask, torch.finfo(model.dtype).min)
-    with contextlib.nullcontext() if plain else block_rows(len(fresh), len(fresh) + n):
-        if decoder_forward.supports(model):
-            if positions is None:
-                positions = torch.arange(past, past + ids.shape[1], device=model.device)[None]
-            return decoder_forward.forward(model, ids, cache, positions, mask, n + 1)
-        extra = {} if mask is None else {"position_ids": positions, "attention_mask": mask}
-        return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
 
 
 def _near_tie(logits: torch.Tensor, margin: float) -> bool:
@@ -208,6 +130,148 @@ def _first_stop(tokenizer, new: list[int], stop_strings: Sequence[str], start: i
         if any(s in tokenizer.decode(new[:k]) for s in stop_strings):
             return k
     return None
+
+
+class _Decoding:
+    """The state of one `generate()` call; its methods are the steps of the loop."""
+
+    def __init__(self, model, prompt: list[int], drafter: Drafter, eos: set[int], max_new_tokens: int,
+                 sampling: Sampling | None, generator: torch.Generator | None, stop_strings: Sequence[str],
+                 tokenizer, on_step: StepCallback | None, prefix_cache, backend: Backend, tie_margin: float,
+                 draft_sizes: tuple[int, ...], prefill_draft: int) -> None:
+        self.model, self.prompt, self.drafter, self.eos = model, prompt, drafter, eos
+        self.sampling, self.generator, self.on_step = sampling, generator, on_step
+        self.stop_strings, self.tokenizer, self.prefix_cache = stop_strings, tokenizer, prefix_cache
+        self.backend, self.plain = backend, plain_backend(model.dtype)
+        self.tie_margin = 0.0 if sampling is not None else tie_margin
+        self.ladder = SizeLadder(draft_sizes) if draft_sizes else None
+        self.prefill_draft = prefill_draft
+        self.limit = context_length(model)
+        self.max_new_tokens = min(max_new_tokens, self.limit - len(prompt))
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.seq, self.new, self.from_draft = list(prompt), [], []
+        self.finish: str | None = None
+        self.stop_from = 0  # new tokens before this index were already searched for stop strings
+        self.redo = False  # the last step ended on a near-tie: recompute it with a plain one-token forward
+        if prefix_cache is not None:  # reuse the KV of the longest cached prefix of the prompt
+            self.cache, self.cached = prefix_cache.lookup(prompt)
+        else:
+            self.cache, self.cached = DynamicCache(config=model.config), 0
+        self.stats.cached_prompt_tokens = self.cached
+        self.fresh = prompt[self.cached:]  # tokens not in the cache yet; the last one is the root of the draft
+        drafter.reset(prompt, sampling)
+
+    @property
+    def room(self) -> int:
+        return self.max_new_tokens - len(self.new)
+
+    def propose(self, cap: int | None) -> Draft | None:
+        """The drafter's draft, cut to the room left and to `cap` nodes (None: no cap)."""
+        if self.room <= 1 or self.redo or cap == 0:
+            return None
+        draft = self.drafter.propose(self.seq, self.room - 1)
+        if draft is None:
+            return None
+        draft = draft.limit_depth(self.room - 1)
+        if cap is not None:
+            draft = draft.limit_size(cap)
+        if not len(draft):
+            return None
+        if max(draft.tokens) >= self.vocab or min(draft.tokens) < 0:
+            raise ValueError(f"drafter {self.drafter.name!r} proposed token ids outside the vocabulary (0..{self.vocab - 1})")
+        return draft
+
+    def forward(self, draft: Draft | None, plain: bool = False) -> torch.Tensor:
+        """ONE target forward over [fresh tokens, draft]: (1 + len(draft), vocab) logits. plain:
+        computed as plain decoding computes it (a redo after a near-tie)."""
+        self.stats.forward_passes += 1
+        past = len(self.seq) - len(self.fresh)
+        return (self.plain if plain else self.backend).forward(self.model, self.fresh, self.cache, past, draft)
+
+    def unsure(self, logits: torch.Tensor, draft: Draft | None, prefill: bool) -> bool:
+        """Whether the root row of a step computed otherwise than plain decoding's (after a cached
+        prefix, or on kernels that differ from it) ends on a near-tie, and cannot be trusted."""
+        if self.redo or self.tie_margin <= 0 or (draft is not None and not prefill):
+            return False  # a draft's rows are guarded by verify_greedy
+        differs = not self.backend.plain_steps or (prefill and self.cached > 0)
+        return differs and _near_tie(logits[:1], self.tie_margin)
+
+    def prefill(self) -> None:
+        """The first step: the prompt (after any cached prefix) and a draft of at most
+        `prefill_draft` nodes in one forward. A near-tie of the first token is decided by plain
+        decoding's whole-prompt prefill instead."""
+        draft = self.propose(self.prefill_draft)
+        logits = self.forward(draft)
+        if self.unsure(logits, draft, prefill=True):
+            self.cache, self.cached, self.fresh = DynamicCache(config=self.model.config), 0, list(self.prompt)
+            self.stats.cached_prompt_tokens = 0
+            draft = None
+            logits = self.forward(None, plain=True)
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(self.prompt, self.cache)
+        self.commit(draft, *self.accept(draft, logits, unsure=False))
+
+    def step(self) -> None:
+        """A decode step: propose, verify in one forward, accept, commit."""
+        t0 = time.perf_counter()
+        draft = self.propose(self.ladder.value if self.ladder is not None else None)
+        t1 = time.perf_counter()
+        logits = self.forward(draft, plain=self.redo)
+        path, nxt = self.accept(draft, logits, unsure=self.unsure(logits, draft, prefill=False))
+        self.stats.draft_s += t1 - t0
+        self.stats.verify_s += time.perf_counter() - t1
+        self.commit(draft, path, nxt)
+
+    def accept(self, draft: Draft | None, logits: torch.Tensor, unsure: bool) -> tuple[list[int], int | None]:
+        """The accepted path (node indices) and the target's next token (None: redo this position)."""
+        if draft is None:
+            return [], None if unsure else self.pick(logits[0])
+        if self.sampling is None:
+            return verify_greedy(draft, logits, self.tie_margin)
+        return verify_sample(draft, logits, self.sampling, self.generator)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token from a (vocab,) row: argmax, or a sample."""
+        if self.sampling is None:
+            return int(top_two(logits[None])[0])
+        return int(torch.multinomial(warp(logits[None], self.sampling)[0], 1, generator=self.generator))
+
+    def commit(self, draft: Draft | None, path: list[int], nxt: int | None) -> None:
+        """Keep the accepted path's KV, append the new tokens, tell the drafter; set `finish` at an
+        EOS, a stop string, or the length limit."""
+        n = len(draft) if draft else 0
+        _keep_path(self.cache, len(self.seq) - 1, path, n)
+        self.stats.drafted.append(n)
+        self.stats.accepted.append(len(path))
+        self.drafter.update(draft, path)
+        if self.ladder is not None and n:
+            self.ladder.update(len(path), max(draft.depths))
+        step, flags = [draft.tokens[i] for i in path], [True] * len(path)
+        self.redo = nxt is None
+        if self.redo:  # a near-tie: redo the last position alone, without a draft
+            self.cache.crop(-1)
+            self.fresh = step[-1:] or self.fresh[-1:]
+        else:
+            step.append(nxt)
+            flags.append(False)
+            self.fresh = [nxt]
+        for i, t in enumerate(step):  # an EOS inside the accepted draft ends the generation there
+            if t in self.eos:
+                step, flags, self.finish = step[: i + 1], flags[: i + 1], "eos"
+                break
+        self.seq += step
+        self.new += step
+        self.from_draft += flags
+        if self.stop_strings and (cut := _first_stop(self.tokenizer, self.new, self.stop_strings, self.stop_from)) is not None:
+            step, flags = step[: max(0, cut - self.stop_from)], flags[: max(0, cut - self.stop_from)]
+            del self.new[cut:], self.from_draft[cut:]
+            self.finish = "stop_string"
+        self.stop_from = len(self.new)
+        if self.on_step and step:
+            self.on_step(step, flags)
+        if self.finish is None and self.room <= 0:
+            self.finish = "length" if len(self.prompt) + len(self.new) < self.limit else "context"
 
 
 @torch.inference_mode()
@@ -233,11 +297,10 @@ def generate(
     drafter: proposes drafts (None: plain decoding). sampling: None for greedy (exact), else
     lossless speculative sampling with `generator` as the source of randomness. stop_strings need
     `tokenizer`. prefix_cache: an optional `PrefixCache` that reuses the KV of a shared prompt prefix.
-    tie_margin: greedy only; rows whose top two logits are closer are recomputed as plain decoding
-    does (default: per dtype and attention, see `_tie_margin`). draft_sizes: a ladder of caps on
-    draft nodes (see `SizeLadder`); default `default_draft_sizes(model)`, () for none.
-    prefill_draft: draft nodes verified in the prefill's forward (0: the prefill only computes the
-    prompt); default `default_prefill_draft(model)`.
+    The model's backend (`backend_for`) computes the forwards and sets the defaults of:
+    tie_margin (greedy only; rows whose top two logits are closer are recomputed as plain decoding
+    does), draft_sizes (a ladder of caps on draft nodes, see `SizeLadder`; () for none) and
+    prefill_draft (draft nodes verified in the prefill's forward).
     """
     start = time.perf_counter()
     if isinstance(prompt, torch.Tensor):
@@ -249,134 +312,28 @@ def generate(
         raise ValueError("the prompt is empty")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    limit = context_length(model)
-    if len(prompt_ids) >= limit:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
+    if len(prompt_ids) >= context_length(model):
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context_length(model)}")
     if prefill_draft is not None and prefill_draft < 0:
         raise ValueError(f"prefill_draft must be >= 0, got {prefill_draft}")
     if tie_margin is not None and tie_margin < 0:
         raise ValueError(f"tie_margin must be >= 0, got {tie_margin}")
     if stop_strings and tokenizer is None:
         raise ValueError("stop_strings need the tokenizer")
-    vocab = model.get_output_embeddings().weight.shape[0]
     if eos_token_id is None:
         eos = eos_token_ids(model, tokenizer)
     else:
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    drafter = drafter or NoDrafter()
-    sizes = default_draft_sizes(model) if draft_sizes is None else tuple(draft_sizes)
-    if prefill_draft is None:
-        prefill_draft = default_prefill_draft(model)
-    ladder = SizeLadder(sizes) if sizes else None
-    stats = GenerationStats(prompt_tokens=len(prompt_ids))
-
-    def pick(logits: torch.Tensor) -> int:
-        if sampling is None:
-            return int(top_two(logits[None])[0])
-        return int(torch.multinomial(warp(logits[None], sampling)[0], 1, generator=generator))
-
-    if prefix_cache is not None:  # reuse the KV of the longest cached prefix of the prompt
-        cache, cached = prefix_cache.lookup(prompt_ids)
-    else:
-        cache, cached = DynamicCache(config=model.config), 0
-    stats.cached_prompt_tokens = cached
-    drafter.reset(prompt_ids, sampling)
-    max_new_tokens = min(max_new_tokens, limit - len(prompt_ids))
-    seq = list(prompt_ids)
-    new: list[int] = []
-    from_draft: list[bool] = []
-    fresh = prompt_ids[cached:]  # tokens not in the cache yet; the last one is the root of the draft
-    finish = None
-    stop_from = 0  # new tokens before this index were already searched for stop strings
-    redo = False  # the last step ended on a near-tie: recompute it with a plain one-token forward
-    # whether our prefill and one-token steps compute as plain decoding does (exact_linear's fp32
-    # kernels on the CPU do not)
-    plain_steps = not _fp32_cpu(model)
-    if sampling is not None:
-        tie_margin = 0.0
-    elif tie_margin is None:
-        tie_margin = _tie_margin(model)
-
-    # Each step drafts, then runs ONE forward over [fresh tokens, draft]. The first step is the
-    # prefill; it verifies a draft of at most `prefill_draft` nodes.
-    while finish is None:
-        room = max_new_tokens - len(new)
-        if room <= 0:
-            finish = "length" if len(prompt_ids) + len(new) < limit else "context"
-            break
-        past = len(seq) - len(fresh)  # tokens in the cache
-
-        t0 = time.perf_counter()
-        cap = (ladder.value if ladder is not None else None) if new else prefill_draft
-        draft = drafter.propose(seq, room - 1) if room > 1 and not redo and cap != 0 else None
-        if draft is not None:
-            draft = draft.limit_depth(room - 1)
-            if cap is not None:
-                draft = draft.limit_size(cap)
-            if not len(draft):
-                draft = None
-            elif max(draft.tokens) >= vocab or min(draft.tokens) < 0:
-                raise ValueError(f"drafter {drafter.name!r} proposed token ids outside the vocabulary (0..{vocab - 1})")
-        t1 = time.perf_counter()
-        logits = _forward(model, fresh, cache, past, draft, plain=redo)
-        # A prefill or one-token step computed otherwise than plain decoding's (after a cached
-        # prefix, or on exact_linear's fp32 kernels) is not trusted on a near-tie.
-        unsure = ((draft is None or not new) and not redo and tie_margin > 0
-                  and (not plain_steps or (cached and not new)) and _near_tie(logits[:1], tie_margin))
-        if unsure and not new:  # the first token is decided by plain decoding's whole-prompt prefill
-            cache, cached, past, fresh = DynamicCache(config=model.config), 0, 0, list(prompt_ids)
-            draft = None
-            stats.cached_prompt_tokens = 0
-            stats.forward_passes += 1
-            logits = _forward(model, fresh, cache, past, None, plain=True)
-        if prefix_cache is not None and not new:
-            prefix_cache.store(prompt_ids, cache)
-        if draft is None:
-            path, nxt = [], None if unsure and new else pick(logits[0])
-        elif sampling is None:
-            path, nxt = verify_greedy(draft, logits, tie_margin)
-        else:
-            path, nxt = verify_sample(draft, logits, sampling, generator)
-        n = len(draft) if draft else 0
-        _keep_path(cache, past + len(fresh) - 1, path, n)
-        t2 = time.perf_counter()
-        if not new:
-            stats.prefill_s = t2 - start
-        else:
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
-        stats.forward_passes += 1
-        stats.drafted.append(n)
-        stats.accepted.append(len(path))
-        drafter.update(draft, path)
-        if ladder is not None and n:
-            ladder.update(len(path), max(draft.depths))
-
-        step = [draft.tokens[i] for i in path]
-        flags = [True] * len(path)
-        redo = nxt is None
-        if redo:  # a near-tie: redo the last position alone, without a draft
-            cache.crop(-1)
-            fresh = step[-1:] or fresh[-1:]
-        else:
-            step.append(nxt)
-            flags.append(False)
-            fresh = [nxt]
-        for i, t in enumerate(step):  # an EOS inside the accepted draft ends the generation there
-            if t in eos:
-                step, flags, finish = step[: i + 1], flags[: i + 1], "eos"
-                break
-        seq += step
-        new += step
-        from_draft += flags
-        if stop_strings and (cut := _first_stop(tokenizer, new, stop_strings, stop_from)) is not None:
-            step, flags = step[: max(0, cut - stop_from)], flags[: max(0, cut - stop_from)]
-            del new[cut:], from_draft[cut:]
-            finish = "stop_string"
-        stop_from = len(new)
-        if on_step and step:
-            on_step(step, flags)
-
-    stats.new_tokens = len(new)
-    stats.total_s = time.perf_counter() - start
-    return Generation(new, from_draft, finish, stats)
+    backend = backend_for(model)
+    run = _Decoding(model, prompt_ids, drafter or NoDrafter(), eos, max_new_tokens, sampling, generator,
+                    stop_strings, tokenizer, on_step, prefix_cache, backend,
+                    backend.tie_margin if tie_margin is None else tie_margin,
+                    backend.draft_sizes if draft_sizes is None else tuple(draft_sizes),
+                    backend.prefill_draft if prefill_draft is None else prefill_draft)
+    run.prefill()
+    run.stats.prefill_s = time.perf_counter() - start
+    while run.finish is None:
+        run.step()
+    run.stats.new_tokens = len(run.new)
+    run.stats.total_s = time.perf_counter() - start
+    return Generation(run.new, run.from_draft, run.finish, run.stats)

@@ -251,18 +251,23 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
 
 
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype | None = None,
-               device: str | None = None, exact: bool = True):
+               device: str | None = None, exact: bool = True, backend: str = "auto"):
     """Load (model, tokenizer) for a preset or local directory, in eval mode. exact: with the
-    attention and linear layers that make verification round as one-token decoding does."""
+    attention and linear layers that make verification round as one-token decoding does.
+    backend: how `generate()` computes forwards (`core.backend`): "auto" (chosen at first use),
+    "exact" or "plain"."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import exact_linear
+    from .backend import KINDS, use_backend
     from .exact_attention import NAME as EXACT_ATTENTION
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
+    if backend not in KINDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(KINDS)}")
     path = resolve_model_path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     # Exact attention and linear layers make multi-token verification round like one-token decoding
@@ -276,6 +281,8 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
         exact_linear.install(model)
     model.eval()
     model.name_or_preset = str(name_or_path)
+    if backend != "auto":
+        use_backend(model, backend)
     return model, tok
 
 

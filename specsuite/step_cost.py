@@ -4,68 +4,40 @@ Speculative decoding pays off when verifying k rows costs less than k one-token 
 depends on the kernels (bf16 with AMX: smooth growth; fp32 on an AVX2-only CPU: flat up to 4 rows,
 then jumps at 8, 16 and 32, which `generate()`'s draft size ladder follows). This measures it: a
 prompt of random tokens is prefilled once, then a chain of k-1 draft tokens after one fresh token
-runs through `generate()`'s own forward, k rows in all, every row count in turn, `reps` rounds,
-and the cache is cropped back after each. The linear layers run as `generate()` runs them
-(exact_linear's form for the dtype) and, for comparison, as one plain `F.linear` call.
+runs through each backend's forward (`core.backend`), k rows in all, every row count in turn,
+`reps` rounds, and the cache is cropped back after each: the model's exact form for its dtype and
+the plain multi-row forward. It also says which backend `generate()` runs for this model here.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import statistics
-import time
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
 
-from specsuite.core import Draft, exact_linear
+from specsuite.core.backend import EXACT_BF16, FP32_CPU, backend_for, measure_forward_costs, plain_backend
+from specsuite.core.exact_attention import NAME as EXACT_ATTENTION
 from specsuite.core.models import DEFAULT_MODEL, load_model
 
-FORMS = ("specsuite", "plain")
 
-
-def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5, seed: int = 0) -> dict:
+def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5) -> dict[str, dict[int, float]]:
     """Median seconds of a verify forward of each row count after `context` cached tokens, per
-    linear form of the draft rows: {"specsuite": {rows: s}, "plain": {rows: s}}."""
-    forward = importlib.import_module("specsuite.core.generate")._forward
-    gen = torch.Generator().manual_seed(seed)
-    vocab = min(model.config.vocab_size, 32000)
-    prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
-    ours = exact_linear.FORWARDS.get(model.dtype)
-    plain = lambda layer, x, block: F.linear(x, layer.weight, layer.bias)  # noqa: E731
-    fns = {"specsuite": ours or plain, "plain": plain}  # no entry: plain F.linear either way
-    times: dict[str, dict[int, list[float]]] = {form: {k: [] for k in rows} for form in FORMS}
-    cache = DynamicCache(config=model.config)
-    try:
-        with torch.inference_mode():
-            forward(model, prompt, cache, 0, None)
-            for rep in range(reps + 1):  # the first round warms up
-                for k in rows:
-                    for form in FORMS:
-                        exact_linear.FORWARDS[model.dtype] = fns[form]
-                        tokens = torch.randint(0, vocab, (k,), generator=gen).tolist()
-                        draft = Draft.chain(tokens[1:]) if k > 1 else None
-                        start = time.perf_counter()
-                        forward(model, tokens[:1], cache, context, draft)
-                        if rep:
-                            times[form][k].append(time.perf_counter() - start)
-                        cache.crop(-k)
-    finally:
-        if ours is None:
-            exact_linear.FORWARDS.pop(model.dtype, None)
-        else:
-            exact_linear.FORWARDS[model.dtype] = ours
-    return {form: {k: statistics.median(v) for k, v in per_rows.items()} for form, per_rows in times.items()}
+    backend that can run this model: {name: {rows: s}}."""
+    backends = [plain_backend(model.dtype)]
+    if model.config._attn_implementation == EXACT_ATTENTION and model.device.type == "cpu":
+        exact = {torch.bfloat16: EXACT_BF16, torch.float32: FP32_CPU}.get(model.dtype)
+        backends = ([exact] if exact else []) + backends
+    return measure_forward_costs(model, backends, rows, context, reps)
 
 
-def format_costs(costs: dict) -> str:
-    ours, plain = costs["specsuite"], costs["plain"]
-    one = ours[min(ours)]
-    lines = [f"{'rows':>5} {'specsuite ms':>13} {'vs 1 row':>9} {'plain F.linear ms':>18}"]
-    for k in ours:
-        lines.append(f"{k:>5} {ours[k] * 1000:>13.1f} {ours[k] / one:>8.2f}x {plain[k] * 1000:>18.1f}")
+def format_costs(costs: dict[str, dict[int, float]]) -> str:
+    names = list(costs)
+    first = costs[names[0]]
+    one = first[min(first)]
+    lines = [f"{'rows':>5} " + " ".join(f"{name + ' ms':>14}" for name in names) + f" {names[0] + ' vs 1 row':>20}"]
+    for k in first:
+        lines.append(f"{k:>5} " + " ".join(f"{costs[name][k] * 1000:>14.1f}" for name in names)
+                     + f" {first[k] / one:>19.2f}x")
     return "\n".join(lines)
 
 
@@ -78,6 +50,7 @@ def _cmd(args: argparse.Namespace) -> int:
     print(f"verify forward cost · {args.model} ({str(model.dtype).replace('torch.', '')}) · "
           f"{args.context} cached tokens · median of {args.reps} · {torch.get_num_threads()} threads")
     print(format_costs(costs))
+    print(f"generate() runs the {backend_for(model).name!r} backend for this model here")
     return 0
 
 

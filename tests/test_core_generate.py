@@ -17,8 +17,9 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2C
 
 from specsuite.core import Draft, DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter, generate
 from specsuite.core import decoder_forward, exact_linear
+from specsuite.core.backend import EXACT_BF16, FP32_CPU, backend_for, choose_backend, use_backend
 from specsuite.core.draft import SizeLadder
-from specsuite.core.exact_attention import NAME as EXACT, block_rows
+from specsuite.core.exact_attention import NAME as EXACT
 from specsuite.core.verify import tree_attention_mask, verify_greedy
 
 # `specsuite.core.generate` the attribute is the function; the module is needed for monkeypatching
@@ -207,7 +208,7 @@ def test_fp32_drafts_climb_the_default_size_ladder():
     """In fp32 on the CPU, drafts are capped at 3 nodes, then 7, 15, 31 while accepted whole; the
     output stays greedy's. draft_sizes=() verifies every node the drafter proposes."""
     model = model_for("llama")
-    assert gen_mod.default_draft_sizes(model) == (3, 7, 15, 31)
+    assert backend_for(model).draft_sizes == (3, 7, 15, 31)
     p = prompts(1, seed=3)[0]
     truth = hf_greedy(model, p, 60)
     out = generate(model, p, OracleTreeDrafter(p, truth, seed=0), max_new_tokens=50, eos_token_id=[],
@@ -217,14 +218,15 @@ def test_fp32_drafts_climb_the_default_size_ladder():
     uncapped = generate(model, p, OracleTreeDrafter(p, truth, seed=0), max_new_tokens=50, eos_token_id=[],
                         draft_sizes=(), prefill_draft=0)
     assert uncapped.tokens == truth[:50] and uncapped.stats.drafted[1] > 3
-    assert gen_mod.default_draft_sizes(tiny_model("llama").to(torch.bfloat16)) == ()
+    bf16 = tiny_model("llama").to(torch.bfloat16)
+    assert choose_backend(bf16, "exact").draft_sizes == () == choose_backend(bf16, "plain").draft_sizes
 
 
 def test_fp32_prefill_verifies_a_draft_too():
     """In fp32 on the CPU the prefill's forward also verifies a draft of up to 8 nodes: the output
     stays greedy's with fewer forward passes. In bf16 the prefill drafts nothing by default."""
     model = model_for("llama")
-    assert gen_mod.default_prefill_draft(model) == 8
+    assert backend_for(model).prefill_draft == 8
     for i, p in enumerate(prompts(6, seed=14, lengths=(2, 40))):
         truth = hf_greedy(model, p, 30)
         runs = {k: generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=25, eos_token_id=[],
@@ -234,7 +236,8 @@ def test_fp32_prefill_verifies_a_draft_too():
         assert 0 < runs[None].stats.drafted[0] <= 8 and runs[3].stats.drafted[0] <= 3
         assert runs[0].stats.drafted[0] == 0
         assert runs[None].stats.forward_passes <= runs[0].stats.forward_passes
-    assert gen_mod.default_prefill_draft(tiny_model("llama").to(torch.bfloat16)) == 0
+    bf16 = tiny_model("llama").to(torch.bfloat16)
+    assert choose_backend(bf16, "exact").prefill_draft == 0 == choose_backend(bf16, "plain").prefill_draft
     with pytest.raises(ValueError, match="prefill_draft"):
         generate(model, [1, 2, 3], max_new_tokens=2, prefill_draft=-1)
 
@@ -658,7 +661,7 @@ def test_fp32_forwards_take_the_fast_kernels_and_plain_calls_stay_plain():
     exact_linear.install(model)
     for rows, block in ((1, 1), (3, 1), (4, 4), (9, 4), (40, 40)):
         x = torch.randn(1, rows, 896, generator=gen)
-        with block_rows(block, rows):
+        with FP32_CPU.rows(block, rows):
             out = layer(x)
         plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
         torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
@@ -671,7 +674,7 @@ def test_fp32_forwards_take_the_fast_kernels_and_plain_calls_stay_plain():
     x = torch.randn(1, 9, 896, generator=gen)
     with torch.no_grad():
         layer.weight.mul_(2)
-    with block_rows(9, 9):
+    with FP32_CPU.rows(9, 9):
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
                                    rtol=1e-5, atol=1e-5)
     twin = copy.deepcopy(model)
@@ -686,7 +689,7 @@ def test_exact_linear_splits_block_rows_from_draft_rows():
     assert exact_linear.install(torch.nn.Sequential(layer)) == 1 and isinstance(layer, exact_linear.ExactLinear)
     x = torch.randn(1, 50, 896, generator=gen).bfloat16()
     alone = torch.cat([torch.nn.functional.linear(x[:, i: i + 1], layer.weight) for i in range(50)], dim=1)
-    with block_rows(40, 50):
+    with EXACT_BF16.rows(40, 50):
         out = layer(x)
         tail = layer(x[:, -11:])  # logits_to_keep=11: the last block row and the draft rows
     assert torch.equal(out[:, :40], torch.nn.functional.linear(x[:, :40], layer.weight))
@@ -700,6 +703,7 @@ def test_oracle_token_trees_equal_hf_greedy_in_bf16(kind, keep_path_spy):
     """The same in bf16, where draft rows run grouped (a tiny model's matmuls round alike for one
     row and many, so this isolates the attention)."""
     model = tiny_model(kind, max_positions=512).to(torch.bfloat16)
+    assert use_backend(model, "exact") is EXACT_BF16  # the exact forms, whatever they cost here
     for i, p in enumerate(prompts(12, seed=8, lengths=(1, 200))):
         n = (17, 40, 60)[i % 3]
         truth = hf_greedy(model, p, n + 10)
@@ -743,7 +747,7 @@ def test_decoder_forward_equals_the_models_own_forward(kind, attn, dtype, monkey
         cache, logits = DynamicCache(config=model.config), []
         with torch.inference_mode():
             for fresh, draft in steps:
-                logits.append(gen_mod._forward(model, fresh, cache, cache.get_seq_length(), draft))
+                logits.append(backend_for(model).forward(model, fresh, cache, cache.get_seq_length(), draft))
         caches[lean] = (cache, logits)
     for ours, theirs in zip(caches[True][1], caches[False][1]):
         assert torch.equal(ours, theirs)
@@ -755,16 +759,16 @@ def test_decoder_forward_leaves_eager_attention_to_the_model():
     assert not decoder_forward.supports(tiny_model("llama", "eager"))
 
 
-def test_step_cost_times_every_row_count_and_restores_the_draft_row_form():
-    """`specsuite step-cost` times verify forwards by row count in both linear forms; afterwards the
-    draft rows take exact_linear's own form again."""
+def test_step_cost_times_every_row_count_in_each_backend():
+    """`specsuite step-cost` times verify forwards by row count in the model's exact form and the
+    plain one, and leaves the model's backend as it was."""
     from specsuite.step_cost import format_costs, measure_step_costs
 
     model = model_for("qwen2")
     costs = measure_step_costs(model, [1, 3, 6], context=10, reps=2)
-    assert set(costs) == {"specsuite", "plain"}
+    assert set(costs) == {"fp32-cpu", "plain"}
     assert all(set(c) == {1, 3, 6} and min(c.values()) > 0 for c in costs.values())
-    assert exact_linear.FORWARDS[torch.float32] is exact_linear.fp32_linear
+    assert backend_for(model) is FP32_CPU
     assert len(format_costs(costs).splitlines()) == 4
 
 
@@ -793,10 +797,15 @@ def test_fp32_near_ties_of_prefill_and_one_token_steps_are_redone_as_plain_decod
     forwards are plain decoding's own and nothing is redone. (A huge margin makes every row a near-tie.)"""
     model = model_for("llama")
     p = prompts(1, seed=5, lengths=(20, 21))[0]
+    forwards = []  # every forward of the model embeds its tokens once
+    hook = model.model.embed_tokens.register_forward_hook(lambda *a: forwards.append(1))
     out = generate(model, p, NoDrafter(), max_new_tokens=6, eos_token_id=[], tie_margin=1e9)
+    hook.remove()
     assert out.tokens == hf_greedy(model, p, 6)
-    assert out.stats.forward_passes == 2 + 2 * 5
+    assert out.stats.forward_passes == 2 + 2 * 5 == len(forwards)  # each forward counted once
+    assert len(out.stats.accepted) == 1 + 2 * 5 and out.stats.prefill_s <= out.stats.total_s
     assert generate(model, p, NoDrafter(), max_new_tokens=6, eos_token_id=[]).tokens == out.tokens
     bf16 = tiny_model("llama").to(torch.bfloat16)
+    use_backend(bf16, "exact")
     out = generate(bf16, p, NoDrafter(), max_new_tokens=6, eos_token_id=[], tie_margin=1e9)
     assert out.tokens == hf_greedy(bf16, p, 6) and out.stats.forward_passes == 6

@@ -20,6 +20,7 @@ from specsuite.core import (
     stream,
 )
 from specsuite.core.chat import chat_prompt_ids
+from specsuite.core.backend import use_backend
 
 pytestmark = pytest.mark.real_model
 
@@ -40,6 +41,7 @@ def lm(request, smollm2_fp32):
     model, tok = smollm2_fp32
     if request.param == "bf16":
         model = copy.deepcopy(model).to(torch.bfloat16)
+        use_backend(model, "exact")  # the exact forms, whatever they cost on this CPU
     return model, tok, sorted(eos_token_ids(model, tok))
 
 

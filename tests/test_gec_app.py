@@ -1,7 +1,7 @@
 """The GEC app on the real small model: exactness against HF greedy, the corrector, the CLI."""
 
+import copy
 import json
-import types
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ from specsuite.apps.gec.corrector import Correction, Corrector
 from specsuite.apps.gec.drafter import CopyDrafter
 from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache
 from specsuite.cli import main as specsuite_main
+from specsuite.core.backend import use_backend
 from specsuite.core import PromptLookupDrafter, TextPiece, eos_token_ids, generate
 
 pytestmark = pytest.mark.real_model
@@ -150,7 +151,9 @@ def test_corrector_reuses_the_instruction_and_keeps_greedy_output(smollm2_fp32, 
         g = corrector._generate(text)
         assert g.tokens == expected, f"differs from HF greedy on {text!r}"
         assert (g.stats.cached_prompt_tokens > 0) == (i > 0)
-    assert instruction_cache(types.SimpleNamespace(dtype=torch.bfloat16, config=model.config)) is None
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    use_backend(bf16, "exact")
+    assert instruction_cache(bf16) is None
 
 
 def test_batched_corrections_equal_hf_greedy_in_fp32(smollm2_fp32, sentences, hf_greedy):

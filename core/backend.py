@@ -1,0 +1,198 @@
+"""How a loaded model's forwards are computed, and the decoding policy that follows from it.
+
+One `Backend` per model, chosen once (`backend_for`) and kept on the model. Each kind owns its
+forward (`forward`) and its policy: the tie margin of greedy verification, the draft size ladder,
+the draft verified in the prefill, and whether a prefix cache is lossless.
+
+- `exact-bf16` (bf16 on the CPU): draft rows round bit for bit as one-token decode steps
+  (exact_attention.py, exact_linear.py's `bf16_rows`): no tie guard, output identical to greedy.
+- `fp32-cpu`: every row on the fastest fp32 kernel (exact_linear.py's `fp32_linear`); rows differ
+  from plain decoding by ~1e-6, so a near-tie (top two logits within 1e-3) is redone as plain
+  decoding computes it; a ladder of draft sizes that fill the kernel's cheap row counts.
+- `plain` (CUDA, fp16, or bf16 where the exact forms cost too much): the model's own multi-row
+  forward, as HF's prompt lookup verifies, with a tie guard wide enough for its rounding.
+
+In bf16 on the CPU the exact forms are used only where they are affordable: `choose_backend`
+times one verify forward of the row counts a copy draft uses in both forms (once per machine,
+model and dtype; kept on disk) and takes `plain` when the exact one costs over EXACT_OVERHEAD more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from . import decoder_forward
+from .draft import Draft
+from .draft_budget import cost_file
+from .exact_attention import NAME as EXACT_ATTENTION, block_rows
+from .exact_linear import bf16_rows, fp32_linear
+from .verify import tree_attention_mask
+
+# fp32 on the CPU: a verify step of 2-4 rows costs 1.1-1.2x a one-row step, 5-9 rows ~1.4-1.7x,
+# 16-17 ~2x, 32-33 ~2.7x (`specsuite step-cost`, Qwen2.5-0.5B on an AVX2-only CPU, with
+# exact_linear's fp32 kernels). Replayed on 100 JFLEG outputs with such costs, drafts capped at 3
+# nodes needed about a quarter less decode time than uncapped ones; the ladder, which grows on
+# whole acceptances, did as well there and lets long copies (summaries) draft more. (Replayed again
+# with the oneDNN kernels' costs: other ladders such as (3, 11, 31) within ~3%, uncapped 7% more.)
+FP32_CPU_DRAFT_SIZES = (3, 7, 15, 31)
+
+# fp32 on the CPU, a prefill is compute-bound: 8 more rows after a 30-row GEC prompt suffix cost
+# ~0.45 of a one-token step, 16 rows ~0.9 (Qwen2.5-0.5B, measured ad hoc), so the prefill verifies a
+# draft too. Replayed on 100 JFLEG outputs with those costs, an 8-node draft in the prefill saved
+# ~10% of the decode time, 16 nodes as much, 32 less.
+FP32_CPU_PREFILL_DRAFT = 8
+
+# The exact bf16 forms are kept while a verify forward in them costs at most this much more than
+# the plain one (measured at AFFORDABILITY_ROWS rows, what a copy draft verifies).
+EXACT_OVERHEAD = 0.15
+AFFORDABILITY_ROWS = (9, 17)
+
+KINDS = ("auto", "exact", "plain")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How the forwards of `generate()` are computed for one model, and the policy that follows.
+
+    name: "exact-bf16", "fp32-cpu" or "plain". linear: how the linear layers compute a verify
+    forward's rows (see exact_linear.py); None with `exact_rows` off. exact_rows: draft rows run
+    as one-token steps would (exact_attention.py). tie_margin: greedy only; a row whose top two
+    logits are closer is not trusted and is redone as plain decoding computes it.
+    draft_sizes: a ladder of caps on draft nodes (`SizeLadder`; () for none). prefill_draft: draft
+    nodes verified along with the prompt. plain_steps: prefill and one-token steps compute as
+    plain decoding's do. lossless_prefix_cache: a prefix cache leaves the output unchanged.
+    """
+
+    name: str
+    linear: Callable | None
+    exact_rows: bool
+    tie_margin: float
+    draft_sizes: tuple[int, ...] = ()
+    prefill_draft: int = 0
+    plain_steps: bool = True
+    lossless_prefix_cache: bool = False
+
+    def rows(self, block: int, total: int):
+        """The context of one forward of `total` rows whose first `block` run as a prefill does."""
+        return block_rows(block, total, self.linear) if self.exact_rows else contextlib.nullcontext()
+
+    def forward(self, model, fresh: list[int], cache: DynamicCache, past: int, draft: Draft | None) -> torch.Tensor:
+        """One target forward over [fresh tokens..., draft nodes...] after `past` cached tokens.
+        Returns (1 + len(draft), vocab) logits: row 0 for the last fresh token (the root), then
+        one per node."""
+        n = len(draft) if draft else 0
+        ids = torch.tensor([fresh + (draft.tokens if draft else [])], device=model.device)
+        positions, mask = None, None  # a chain needs no mask: plain causal attention
+        if draft is not None and not draft.is_chain:
+            root = past + len(fresh) - 1
+            positions = torch.tensor([list(range(past, root + 1)) + [root + d for d in draft.depths]],
+                                     device=model.device)
+            mask = tree_attention_mask(draft, past, len(fresh) - 1, model.device)
+            if model.config._attn_implementation == "eager":
+                mask = torch.zeros(mask.shape, dtype=model.dtype, device=model.device).masked_fill(
+                    ~mask, torch.finfo(model.dtype).min)
+        with self.rows(len(fresh), len(fresh) + n):
+            if decoder_forward.supports(model):
+                if positions is None:
+                    positions = torch.arange(past, past + ids.shape[1], device=model.device)[None]
+                return decoder_forward.forward(model, ids, cache, positions, mask, n + 1)
+            extra = {} if mask is None else {"position_ids": positions, "attention_mask": mask}
+            return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
+
+
+EXACT_BF16 = Backend("exact-bf16", bf16_rows, exact_rows=True, tie_margin=0.0)
+FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, draft_sizes=FP32_CPU_DRAFT_SIZES,
+                   prefill_draft=FP32_CPU_PREFILL_DRAFT, plain_steps=False, lossless_prefix_cache=True)
+# Multi-row rows differ from one-token steps by up to ~0.17 in bf16 (Qwen2.5-0.5B's logits, measured
+# without the exact forms), less in fp16 and fp32.
+PLAIN = Backend("plain", None, exact_rows=False, tie_margin=0.25)
+PLAIN_TIE_MARGIN = {torch.bfloat16: 0.25, torch.float16: 0.05, torch.float32: 1e-3}
+
+
+def plain_backend(dtype: torch.dtype) -> Backend:
+    """`plain` with the tie margin of `dtype`'s rounding; in fp32 a prefix cache stays lossless."""
+    return replace(PLAIN, tie_margin=PLAIN_TIE_MARGIN.get(dtype, 0.25), lossless_prefix_cache=dtype == torch.float32)
+
+
+def choose_backend(model, kind: str = "auto") -> Backend:
+    """The backend for `model`: kind "exact" (the exact form for its dtype where one exists),
+    "plain", or "auto" (exact where affordable, see the module docstring)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
+    cpu = model.device.type == "cpu"
+    exact_installed = model.config._attn_implementation == EXACT_ATTENTION
+    if kind == "plain" or not cpu or not exact_installed or model.dtype not in (torch.bfloat16, torch.float32):
+        return plain_backend(model.dtype)
+    if model.dtype == torch.float32:
+        return FP32_CPU
+    if kind == "exact" or exact_is_affordable(model):
+        return EXACT_BF16
+    return plain_backend(model.dtype)
+
+
+def backend_for(model) -> Backend:
+    """The model's backend: the one set by `use_backend` (or `load_model(backend=...)`), else
+    chosen now by `choose_backend` and kept on the model. A model moved to another dtype or device
+    since gets its backend chosen again (of the same kind)."""
+    kind, made_for, backend = getattr(model, "specsuite_backend", ("auto", None, None))
+    if made_for != (model.dtype, model.device):
+        backend = use_backend(model, kind)
+    return backend
+
+
+def use_backend(model, kind: str) -> Backend:
+    """Set how `model`'s forwards are computed from now on (kind: "auto", "exact" or "plain", see
+    `choose_backend`); returns the backend."""
+    backend = choose_backend(model, kind)
+    model.specsuite_backend = (kind, (model.dtype, model.device), backend)
+    return backend
+
+
+def measure_forward_costs(model, backends: list[Backend], rows: list[int], context: int = 80, reps: int = 5,
+                          seed: int = 0) -> dict[str, dict[int, float]]:
+    """Median seconds of a verify forward of each row count (a root token and a chain draft) after
+    `context` cached tokens, per backend, alternating: {backend name: {rows: s}}."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = min(model.config.vocab_size, 32000)
+    prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    times: dict[str, dict[int, list[float]]] = {b.name: {k: [] for k in rows} for b in backends}
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        backends[0].forward(model, prompt, cache, 0, None)
+        for rep in range(reps + 1):  # the first round warms up
+            for k in rows:
+                for backend in backends:
+                    tokens = torch.randint(0, vocab, (k,), generator=gen).tolist()
+                    draft = Draft.chain(tokens[1:]) if k > 1 else None
+                    start = time.perf_counter()
+                    backend.forward(model, tokens[:1], cache, context, draft)
+                    if rep:
+                        times[backend.name][k].append(time.perf_counter() - start)
+                    cache.crop(-k)
+    return {name: {k: statistics.median(v) for k, v in per_rows.items()} for name, per_rows in times.items()}
+
+
+def exact_is_affordable(model) -> bool:
+    """Whether the exact bf16 forms cost at most EXACT_OVERHEAD more than plain forwards at
+    AFFORDABILITY_ROWS rows on this machine (measured once, ~1 s for a 0.5B model; kept on disk)."""
+    path = cost_file(model, measure="exact-vs-plain")
+    costs = None
+    if path is not None and path.exists():
+        with contextlib.suppress(ValueError, KeyError, OSError):
+            costs = json.loads(path.read_text())["seconds"]
+    if costs is None:
+        measured = measure_forward_costs(model, [EXACT_BF16, plain_backend(model.dtype)], list(AFFORDABILITY_ROWS),
+                                         reps=2)
+        costs = {name: sum(per_rows.values()) for name, per_rows in measured.items()}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"seconds": costs}))
+    return costs[EXACT_BF16.name] <= (1 + EXACT_OVERHEAD) * costs[PLAIN.name]

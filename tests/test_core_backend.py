@@ -1,0 +1,77 @@
+"""One backend per model: how its forwards are computed and the policy that follows (core/backend.py).
+
+Every kind is exercised explicitly on tiny models (so every CPU runs every path it can), and the
+choice of "auto" in bf16 is checked against cost files written here, not against this CPU's speed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from specsuite.core import PromptLookupDrafter, generate
+from specsuite.core.backend import (
+    EXACT_BF16, FP32_CPU, PLAIN, backend_for, choose_backend, exact_is_affordable, use_backend,
+)
+from specsuite.core.draft_budget import cost_file
+from specsuite.core.models import load_model
+from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
+
+
+def test_each_dtype_and_attention_gets_its_kind():
+    fp32 = tiny_model("llama")
+    assert choose_backend(fp32) is FP32_CPU and choose_backend(fp32, "exact") is FP32_CPU
+    plain = choose_backend(fp32, "plain")
+    assert plain.name == "plain" and plain.tie_margin == 1e-3 and plain.lossless_prefix_cache
+    assert choose_backend(tiny_model("llama", "sdpa")).name == "plain"  # no exact forms installed
+    bf16 = tiny_model("llama").to(torch.bfloat16)
+    assert choose_backend(bf16, "exact") is EXACT_BF16 and EXACT_BF16.tie_margin == 0
+    assert choose_backend(bf16, "plain").tie_margin == PLAIN.tie_margin == 0.25
+    assert not choose_backend(bf16, "plain").lossless_prefix_cache
+    assert choose_backend(tiny_model("llama").to(torch.float16)).name == "plain"
+    with pytest.raises(ValueError, match="unknown backend"):
+        choose_backend(fp32, "fast")
+    with pytest.raises(ValueError, match="unknown backend"):
+        load_model("no-such-model", backend="fast")
+
+
+def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monkeypatch):
+    """The measured costs are kept on disk; "auto" takes the exact forms while they cost at most
+    15% more than plain forwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
+    model = tiny_model("qwen2").to(torch.bfloat16)
+    path = cost_file(model, measure="exact-vs-plain")
+    assert not path.exists()
+    exact_is_affordable(model)  # measured now (both forms, alternating) and kept
+    assert set(json.loads(path.read_text())["seconds"]) == {"exact-bf16", "plain"}
+    for exact_s, expected in ((1.10, EXACT_BF16), (2.0, None)):
+        path.write_text(json.dumps({"seconds": {"exact-bf16": exact_s, "plain": 1.0}}))
+        chosen = choose_backend(model)
+        assert chosen is expected if expected else chosen.name == "plain"
+
+
+def test_the_backend_is_kept_and_chosen_again_after_a_dtype_change(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny_model("llama")
+    assert backend_for(model) is FP32_CPU and backend_for(model) is FP32_CPU
+    assert use_backend(model, "plain").name == "plain" and backend_for(model).name == "plain"
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert backend_for(bf16).name == "plain" and backend_for(bf16).tie_margin == 0.25  # same kind, new dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_backend_verifies_multi_row_and_guards_ties(dtype):
+    """The plain backend verifies drafts with the model's own multi-row forward (as HF's prompt
+    lookup does) and redoes near-ties: on tiny models the output is greedy's, with trees too."""
+    model = tiny_model("llama", max_positions=512).to(dtype)
+    use_backend(model, "plain")
+    for i, p in enumerate(prompts(6, seed=21, lengths=(3, 120))):
+        truth = hf_greedy(model, p, 40)
+        out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[])
+        assert out.tokens == truth[:30], i
+        assert out.stats.forward_passes < 30
+        assert generate(model, p, PromptLookupDrafter(), max_new_tokens=30, eos_token_id=[]).tokens == truth[:30]
