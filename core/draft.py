@@ -171,3 +171,31 @@ class SizeLadder:
             self.rung = min(self.rung + 1, len(self.sizes) - 1)
         else:
             self.rung = 0
+
+
+class FallbackDrafter(Drafter):
+    """Drafts with `primary` (e.g. copying from the input); where it has nothing, with `fallback`
+    (e.g. a small draft model), so that a costly drafter runs only for what the input does not cover."""
+
+    def __init__(self, primary: Drafter, fallback: Drafter) -> None:
+        self.primary, self.fallback = primary, fallback
+        self.name = f"{primary.name}+{fallback.name}"
+        self.last: Drafter | None = None  # which one drafted the last proposal
+
+    def reset(self, prompt: list[int], sampling: "object | None" = None) -> None:
+        self.primary.reset(prompt, sampling)
+        self.fallback.reset(prompt, sampling)
+        self.last = None
+
+    def propose(self, tokens: list[int], max_depth: int) -> Draft | None:
+        self.last = self.primary
+        draft = self.primary.propose(tokens, max_depth)
+        if draft is None:
+            self.last = self.fallback
+            draft = self.fallback.propose(tokens, max_depth)
+        return draft
+
+    def update(self, draft: Draft | None, path: list[int]) -> None:
+        # Each learns from its own drafts only; to the other, this step had no draft.
+        for drafter in (self.primary, self.fallback):
+            drafter.update(draft, path) if drafter is self.last else drafter.update(None, [])

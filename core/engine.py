@@ -367,7 +367,8 @@ class BatchEngine:
         drafter.reset(prompt, request.sampling)
         slot = _Slot(index, Request(prompt, drafter, max_new, request.sampling, request.generator, request.on_step), drafter,
                      self.eos, length=cached, fresh=prompt[cached:], seq=list(prompt),
-                     stats=GenerationStats(prompt_tokens=len(prompt), cached_prompt_tokens=cached),
+                     stats=GenerationStats(prompt_tokens=len(prompt), cached_prompt_tokens=cached,
+                                            backend="batch"),
                      start=time.perf_counter())
         if free == len(slots):
             slots.append(slot)

@@ -36,6 +36,7 @@ class GenerationStats:
     verify_s: float = 0.0
     total_s: float = 0.0
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from a prefix cache
+    backend: str = ""  # how the forwards were computed (`core.backend`)
 
     @property
     def decode_s(self) -> float:
@@ -58,7 +59,7 @@ class GenerationStats:
             "tokens_per_step": round(self.tokens_per_step, 3), "acceptance_rate": round(self.acceptance_rate, 3),
             "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4), "total_s": round(self.total_s, 4),
-            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens, "backend": self.backend,
         }
 
 
@@ -149,7 +150,7 @@ class _Decoding:
         self.limit = context_length(model)
         self.max_new_tokens = min(max_new_tokens, self.limit - len(prompt))
         self.vocab = model.get_output_embeddings().weight.shape[0]
-        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.stats = GenerationStats(prompt_tokens=len(prompt), backend=backend.name)
         self.seq, self.new, self.from_draft = list(prompt), [], []
         self.finish: str | None = None
         self.stop_from = 0  # new tokens before this index were already searched for stop strings

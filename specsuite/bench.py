@@ -21,6 +21,8 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from specsuite.core import Drafter, DraftModelDrafter, PromptLookupDrafter, eos_token_ids, generate, turn_end_token
+from specsuite.core.backend import backend_for
+from specsuite.core.draft import FallbackDrafter
 from specsuite.core.chat import chat_prompt_ids
 from specsuite.core.models import DEFAULT_MODEL, load_model
 
@@ -163,11 +165,12 @@ def _summarize(runs: list[Run], greedy: list[Run], examples: list[Example], tok)
 def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: int = 128,
               draft_model_name: str | None = None, dtype: str | None = None,
               methods: list[str] | None = None, tie_margin: float | None = None,
-              prefix_cache: bool = True) -> dict:
+              prefix_cache: bool = True, backend: str = "auto") -> dict:
     """Run every applicable method on the first `n` prompts of `data`; returns the JSON report.
     tie_margin: passed to our methods' `generate` (None: its default). prefix_cache: our methods
-    reuse the KV of the prompts' shared start as the app does (`PREFIX_CACHES`; False: never)."""
-    model, tok = load_model(model_name, dtype=dtype)
+    reuse the KV of the prompts' shared start as the app does (`PREFIX_CACHES`; False: never).
+    backend: how our methods compute forwards (`core.backend`: auto, exact or plain)."""
+    model, tok = load_model(model_name, dtype=dtype, backend=backend)
     draft_model = load_model(draft_model_name, dtype=dtype)[0] if draft_model_name else None
     eos = sorted(eos_token_ids(model, tok))
     examples = TASKS[task](data, n, tok, [turn_end_token(model, tok)])
@@ -193,6 +196,9 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
         runners["spec_draft_model"] = lambda e: spec(e, DraftModelDrafter(draft_model))
     for suffix in examples[0].drafters:
         runners[f"spec_{suffix}"] = lambda e, s=suffix: spec(e, e.drafters[s]())
+        if draft_model is not None:  # the input's drafts first, the draft model where they have none
+            runners[f"spec_{suffix}+draft_model"] = lambda e, s=suffix: spec(
+                e, FallbackDrafter(e.drafters[s](), DraftModelDrafter(draft_model)))
     if methods:
         unknown = set(methods) - set(runners)
         if unknown:
@@ -212,7 +218,7 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     report = {
         "task": task, "model": model_name, "n": len(examples), "max_new_tokens": max_new_tokens,
         "dtype": str(model.dtype).replace("torch.", ""), "draft_model": draft_model_name,
-        "torch_threads": torch.get_num_threads(), "tie_margin": tie_margin,
+        "torch_threads": torch.get_num_threads(), "tie_margin": tie_margin, "backend": backend_for(model).name,
         "spec_prefix_cache": prefix_cache is not None,  # our methods reuse the KV of a shared prompt start
         "methods": {name: _summarize(runs[name], runs["hf_greedy"], examples, tok) for name in names},
     }
@@ -278,9 +284,10 @@ def _cmd(args: argparse.Namespace) -> int:
         return 0
     report = run_bench(args.task, args.model, data, args.n, args.max_new_tokens, args.draft_model, args.dtype,
                        args.methods.split(",") if args.methods else None, args.tie_margin,
-                       not args.no_prefix_cache)
+                       not args.no_prefix_cache, args.backend)
     cached = " · our methods reuse the shared instruction's KV" if report["spec_prefix_cache"] else ""
-    print(f"\n{args.task} · {args.model} ({report['dtype']}) · n={report['n']} · max_new_tokens={args.max_new_tokens}{cached}")
+    print(f"\n{args.task} · {args.model} ({report['dtype']}, our forwards: {report['backend']} backend) · "
+          f"n={report['n']} · max_new_tokens={args.max_new_tokens}{cached}")
     print(format_table(report))
     for name, bad in report["mismatches"].items():
         if bad:
@@ -334,6 +341,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", help="comma-separated subset of methods (hf_greedy always runs)")
     p.add_argument("--tie-margin", type=float, help="our methods: recompute rows whose top two logits are "
                    "closer than this (default: per dtype; 0 in bf16 with exact attention)")
+    p.add_argument("--backend", choices=["auto", "exact", "plain"], default="auto",
+                   help="how our methods compute verify forwards: exact forms, plain multi-row calls with a tie "
+                   "guard, or auto (exact where they cost at most 15%% more; see `specsuite step-cost`)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="gec: our methods compute the shared instruction for every sentence, as HF's do")
     p.add_argument("--batch-sizes", default="1,8,16,32", help="gec-batch: the batch sizes of HF generate() and of "

@@ -381,6 +381,29 @@ def test_draft_model_equals_hf_greedy(kind):
         assert sum(out.stats.drafted) > 0
 
 
+def test_fallback_drafter_drafts_with_the_model_only_where_the_input_has_nothing():
+    """Prompt lookup first, the draft model where it finds no match: greedy's output, and the draft
+    model runs on fewer steps than it would alone."""
+    from specsuite.core.draft import FallbackDrafter
+
+    target, small = model_for("llama", seed=0), model_for("llama", seed=0)  # the target drafts for itself
+    for i, p in enumerate(prompts(6, seed=9, lengths=(10, 40))):
+        both = FallbackDrafter(PromptLookupDrafter(), DraftModelDrafter(small, max_tokens=6, confidence=0.0))
+        proposals = {"prompt_lookup": 0, "draft_model": 0}
+        propose = both.propose
+
+        def counted(tokens, max_depth, propose=propose):
+            draft = propose(tokens, max_depth)
+            proposals[both.last.name] += draft is not None
+            return draft
+
+        both.propose = counted
+        out = generate(target, p, both, max_new_tokens=30, eos_token_id=[])
+        assert out.tokens == hf_greedy(target, p, 30), i
+        assert proposals["draft_model"] > 0 and sum(out.stats.accepted) > 0
+        assert both.name == "prompt_lookup+draft_model"
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_target_as_its_own_draft_model_is_almost_always_accepted(kind):
     target = model_for(kind)

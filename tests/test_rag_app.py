@@ -6,8 +6,8 @@ Model tests use the smollm2-135m preset and short answers; exactness tests run i
 
 from __future__ import annotations
 
+import copy
 import json
-import types
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ from specsuite.apps.rag.bench_task import prefix_cache_ttft, rag_example_parts
 from specsuite.apps.rag.drafter import ReferenceDrafter
 from specsuite.apps.rag.prompt import rag_prompt_ids, rag_user_message
 from specsuite.apps.rag.qa import Answer, RagQA, copied_spans, parse_citations
+from specsuite.core.backend import use_backend
 from specsuite.core import PrefixCache, eos_token_ids, generate
 from specsuite.retrieval import PassageIndex, parse_specbench_rag
 
@@ -146,7 +147,8 @@ def test_prefix_cache_is_on_by_default_only_in_fp32(smollm2_fp32):
     can round otherwise than a whole prefill; an explicit budget turns it on anyway."""
     model, tok = smollm2_fp32
     assert RagQA.from_loaded(model, tok).prefix_cache.max_bytes == 1 << 30
-    bf16 = types.SimpleNamespace(dtype=torch.bfloat16, config=model.config)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    use_backend(bf16, "exact")
     assert RagQA.from_loaded(bf16, tok).prefix_cache is None
     assert RagQA.from_loaded(bf16, tok, prefix_cache_bytes=1 << 20).prefix_cache.max_bytes == 1 << 20
 

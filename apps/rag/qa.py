@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, Union
 
 from specsuite.apps.limits import Deadline, InputError, check_k, check_limit, check_text
-from specsuite.core import (Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece,
+from specsuite.core import (DraftModelDrafter, Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece,
                             eos_token_ids, generate, stream)
 from specsuite.core.batch_server import BatchServer
+from specsuite.core.draft import FallbackDrafter
 from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.generate import context_length
 from specsuite.core.models import DEFAULT_MODEL, load_model
@@ -123,6 +124,8 @@ class RagQA:
         follow-up question over the same passages then only computes the question's tokens.
         Default (None): 1 GiB in fp32, off in other dtypes, where the cached prompt's rows can round
         otherwise than a whole prefill and flip a later token (see the README's *Exactness*).
+    draft_model: a small model with the same tokenizer (a preset name, e.g. "qwen2.5-0.5b" for the
+        1.5B target) that drafts where the passages have nothing to copy (`FallbackDrafter`).
     max_question_tokens: the longest question accepted (default: what fits the model's context with
         the answer budget `max_new_tokens`). Every entry point checks its input first (`validate`):
         a bad question or k is an InputError before any model work.
@@ -130,28 +133,29 @@ class RagQA:
 
     def __init__(self, index_dir: str | None = None, model: str = DEFAULT_MODEL, drafter: str = "reference",
                  prefix_cache_bytes: int | None = None, max_new_tokens: int = 256, dtype: str | None = None,
-                 max_question_tokens: int | None = None, batch_size: int = 1) -> None:
+                 max_question_tokens: int | None = None, batch_size: int = 1, draft_model: str | None = None) -> None:
         index = None
         if index_dir is not None:
             from specsuite.retrieval import PassageIndex
 
             index = PassageIndex.load(index_dir)
         loaded, tokenizer = load_model(model, dtype=dtype)
+        small = load_model(draft_model, dtype=loaded.dtype)[0] if draft_model else None
         self._setup(loaded, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens,
-                    batch_size)
+                    batch_size, small)
 
     @classmethod
     def from_loaded(cls, model, tokenizer, index: "PassageIndex | None" = None, drafter: str = "reference",
                     prefix_cache_bytes: int | None = None, max_new_tokens: int = 256,
-                    max_question_tokens: int | None = None, batch_size: int = 1) -> "RagQA":
-        """A RagQA over an already loaded model, tokenizer and index (tests, notebooks)."""
+                    max_question_tokens: int | None = None, batch_size: int = 1, draft_model=None) -> "RagQA":
+        """A RagQA over an already loaded model, tokenizer, index and draft model (tests, notebooks)."""
         qa = cls.__new__(cls)
         qa._setup(model, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens,
-                  batch_size)
+                  batch_size, draft_model)
         return qa
 
     def _setup(self, model, tokenizer, index, drafter: str, prefix_cache_bytes: int | None,
-               max_new_tokens: int, max_question_tokens: int | None, batch_size: int) -> None:
+               max_new_tokens: int, max_question_tokens: int | None, batch_size: int, draft_model=None) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -161,7 +165,7 @@ class RagQA:
         self.batch_size = batch_size
         self._server: BatchServer | None = None
         self.model, self.tokenizer, self.index = model, tokenizer, index
-        self.drafter, self.max_new_tokens = drafter, max_new_tokens
+        self.drafter, self.max_new_tokens, self.draft_model = drafter, max_new_tokens, draft_model
         self.context = context_length(model)
         if self.max_new_tokens >= self.context:
             raise ValueError(f"max_new_tokens ({max_new_tokens}) leaves no room in the model's context ({self.context})")
@@ -191,8 +195,12 @@ class RagQA:
 
     def make_drafter(self, passages: Sequence[str]) -> Drafter:
         if self.drafter == "reference":
-            return ReferenceDrafter.for_passages(self.tokenizer, passages)
-        return PromptLookupDrafter() if self.drafter == "prompt-lookup" else NoDrafter()
+            drafter = ReferenceDrafter.for_passages(self.tokenizer, passages)
+        else:
+            drafter = PromptLookupDrafter() if self.drafter == "prompt-lookup" else NoDrafter()
+        if self.draft_model is None:
+            return drafter
+        return FallbackDrafter(drafter, DraftModelDrafter(self.draft_model))
 
     def _generate(self, prompt: list[int], drafter: Drafter, deadline: Deadline, on_step=None) -> Generation:
         if self.batch_size > 1:
