@@ -1,45 +1,93 @@
-"""Prompt lookup drafting: find the latest n-gram of the sequence earlier in it and draft what followed."""
+"""Prompt lookup drafting: find the latest n-gram of the sequence earlier in it and draft what followed.
+
+Also the pieces that every drafter copying from its input shares: `NgramIndex` (where an n-gram
+occurs in one or more token lists) and `CopiedDraft` (a draft tree that remembers where its nodes
+were copied from).
+"""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from .draft import AdaptiveLength, Draft, Drafter
+
+Location = tuple[int, int]  # (source id, index of a token in that source)
 
 
 class NgramIndex:
-    """Positions of every 1..max_ngram-gram of a growing token list, for O(1) suffix lookups.
+    """Where each 1..max_ngram-gram of one or more token lists ("sources") occurs, for O(1) lookups.
 
-    Maps an n-gram to the index just past one occurrence that has a continuation: the first one
-    (`keep="first"`, as HF's prompt lookup picks; measured here on Spec-Bench summaries, it drafts
-    better than the latest) or the most recent (`keep="last"`)."""
+    Maps an n-gram to up to `max_positions` locations (source id, index just past an occurrence):
+    the first ones (`keep="first"`, as HF's prompt lookup picks; measured here on Spec-Bench
+    summaries, it drafts better than the latest) or the latest, latest first (`keep="last"`)."""
 
-    def __init__(self, max_ngram: int, keep: str = "first") -> None:
+    def __init__(self, max_ngram: int, keep: str = "first", max_positions: int = 1) -> None:
         if keep not in ("first", "last"):
             raise ValueError("keep must be 'first' or 'last'")
-        self.max_ngram, self.keep_first = max_ngram, keep == "first"
-        self.table: dict[tuple[int, ...], int] = {}
-        self.indexed = 0  # n-grams ending before this position are in the table
+        if max_ngram < 1 or max_positions < 1:
+            raise ValueError("max_ngram and max_positions must be at least 1")
+        self.max_ngram, self.keep_first, self.max_positions = max_ngram, keep == "first", max_positions
+        self.table: dict[tuple[int, ...], list[Location]] = {}
+        self.indexed: dict[int, int] = {}  # source -> n-grams ending at or before this index are in
 
     def reset(self) -> None:
         self.table.clear()
-        self.indexed = 0
+        self.indexed.clear()
 
-    def extend(self, tokens: list[int]) -> None:
-        """Index the n-grams of `tokens` that end before its last token (so each has a continuation)."""
-        table, m = self.table, self.max_ngram
-        for end in range(self.indexed + 1, len(tokens)):  # n-gram = tokens[end - n : end]
-            for n in range(1, min(m, end) + 1):
-                key = tuple(tokens[end - n: end])
-                if not (self.keep_first and key in table):
-                    table[key] = end
-        self.indexed = max(self.indexed, len(tokens) - 1)
+    def extend(self, tokens: Sequence[int], source: int = 0, complete: bool = False) -> None:
+        """Index the n-grams of source `source` (`tokens`, which may have grown since the last call)
+        not indexed yet. Only those followed by a token, since a draft copies what follows (the last
+        token's come with the next call), unless `complete`: the list is whole, its end counts too."""
+        table, cap, stop = self.table, self.max_positions, len(tokens) + (1 if complete else 0)
+        done = self.indexed.get(source, 0)
+        for end in range(done + 1, stop):  # n-gram = tokens[end - n : end]
+            for n in range(1, min(self.max_ngram, end) + 1):
+                places = table.setdefault(tuple(tokens[end - n: end]), [])
+                if not self.keep_first:
+                    places.insert(0, (source, end))
+                    del places[cap:]
+                elif len(places) < cap:  # a frequent n-gram need not list every occurrence
+                    places.append((source, end))
+        self.indexed[source] = max(done, stop - 1)
 
-    def lookup(self, tokens: list[int], min_ngram: int = 1) -> tuple[int, int] | None:
-        """(continuation start, n) for the longest suffix n-gram of `tokens` seen before, or None."""
+    def positions(self, ngram: Sequence[int]) -> list[Location]:
+        """The locations kept for `ngram`, best first (a new list)."""
+        return list(self.table.get(tuple(ngram), ()))
+
+    def lookup(self, tokens: Sequence[int], min_ngram: int = 1) -> tuple[Location, int] | None:
+        """(best location, n) of the longest suffix n-gram of `tokens` indexed, or None."""
         for n in range(min(self.max_ngram, len(tokens)), min_ngram - 1, -1):
-            pos = self.table.get(tuple(tokens[-n:]))
-            if pos is not None:
-                return pos, n
+            places = self.table.get(tuple(tokens[-n:]))
+            if places:
+                return places[0], n
         return None
+
+
+class CopiedDraft:
+    """A draft tree merged from continuations copied out of sources, that remembers where each node
+    was copied from: an accepted path then tells where the output goes on in its source, with no
+    need to find the accepted tokens there again."""
+
+    def __init__(self, copies: Sequence[tuple[Location, Sequence[int]]]) -> None:
+        """copies: (location of its first token, tokens) per continuation, best first."""
+        self.draft = Draft.from_paths([list(tokens) for _, tokens in copies])
+        self.nodes = {(p, t): i for i, (t, p) in enumerate(zip(self.draft.tokens, self.draft.parents))}
+        # Every continuation through a node, best first (merged prefixes can come from several).
+        self.origins: list[list[Location]] = [[] for _ in self.draft.tokens]
+        for (source, start), tokens in copies:
+            node = -1
+            for k, t in enumerate(tokens):
+                node = self.nodes[(node, t)]
+                self.origins[node].append((source, start + k))
+
+    def origins_of(self, draft: Draft, path: list[int]) -> list[Location]:
+        """Where the last node of `path` (accepted nodes of `draft`) was copied from, best first;
+        empty for an empty path. `draft` is this tree or a cut of it (`Draft.limit_depth` and
+        `limit_size` renumber the nodes), so the path is followed by its tokens."""
+        node = -1
+        for i in path:
+            node = self.nodes[(node, draft.tokens[i])]
+        return self.origins[node] if path else []
 
 
 class PromptLookupDrafter(Drafter):
@@ -64,7 +112,7 @@ class PromptLookupDrafter(Drafter):
         hit = self.index.lookup(tokens, self.min_ngram)
         if hit is None:
             return None
-        start = hit[0]
+        (_, start), _ = hit
         draft = tokens[start: start + min(self.length.value, max_depth)]
         return Draft.chain(draft) if draft else None
 

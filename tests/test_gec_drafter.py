@@ -78,3 +78,35 @@ def test_reanchors_on_a_unique_ngram_after_an_edit():
 def test_branch_tokens_must_cover_the_branches():
     with pytest.raises(ValueError, match="branch_tokens"):
         CopyDrafter(SOURCE, branches=3, branch_tokens=(8, 8))
+
+
+def path_to(draft, tokens: list[int]) -> list[int]:
+    """The nodes of `draft` that spell `tokens` from the root (what the target accepted)."""
+    path: list[int] = []
+    for t in tokens:
+        parent = path[-1] if path else -1
+        path.append(next(i for i, (u, p) in enumerate(zip(draft.tokens, draft.parents)) if p == parent and u == t))
+    return path
+
+
+def test_an_accepted_branch_moves_the_pointer_to_its_source_position():
+    # The word after 11..15 is 20 21 30, which occurs twice: the output's tokens alone do not say
+    # where it copies from (no unique n-gram, too far for the window), the accepted branch does.
+    source = [10, 11, 12, 13, 14, 15, 20, 21, 30, 40, 20, 21, 30, 41]
+    d = CopyDrafter(source, end_tokens=[END], word_starts=[0, 1, 6, 7, 8, 9, 10, 11, 12, 13])
+    d.reset(PROMPT)
+    draft = d.propose(PROMPT + [10, 77], 64)
+    assert [p[:3] for p in paths(draft)] == [[12, 13, 14], [11, 12, 13], [20, 21, 30]]
+    d.update(draft, path_to(draft, [20, 21]))  # the "word replaced" branch, from source index 6
+    assert (d.pos, d.synced) == (8, True)
+    # The target's own next token goes on copying there.
+    assert paths(d.propose(PROMPT + [10, 77, 20, 21, 30], 64)) == [[40, 20, 21, 30, 41, END]]
+
+
+def test_the_pointer_follows_a_branch_of_a_cut_draft():
+    d = drafter()  # the loop may cut a tree to fewer nodes (renumbering them) before verifying it
+    cut = d.propose(PROMPT + [10, 77], 64).limit_size(3)
+    assert cut.tokens == [12, 11, 20]
+    d.update(cut, [2])  # the "word replaced" root: source index 4
+    assert (d.pos, d.synced) == (5, True)
+    assert paths(d.propose(PROMPT + [10, 77, 20, 21], 64)) == [[22, 23, END]]

@@ -1,12 +1,14 @@
 """Copy drafting for grammar correction: the correction is mostly the source, so draft the rest of it.
 
 A pointer tracks which source token the output should copy next. While the output copies, the
-draft is the rest of the source (to the end of the sentence, then the end-of-turn token). After an
-edit the pointer is re-anchored: on the next few source tokens if the new token is there (a
-deletion), else on a unique 1-3-gram of the output in the source; failing both, a token tree
-verifies three alignment hypotheses in the same forward pass: "substitution" (skip one source
-token), "insertion" (stay) and "word replaced" (skip to the next source word, which covers a
-misspelt word of several tokens written back as one, e.g. " know|led|ges" -> " knowledge"; else
+draft is the rest of the source (to the end of the sentence, then the end-of-turn token). An
+accepted draft moves the pointer to just past the source token of its last accepted node (each
+draft node knows where it was copied from); the target's own next token is then aligned with the
+source. After an edit the pointer is re-anchored: on the next few source tokens if the new token
+is there (a deletion), else on a unique 1-3-gram of the output in the source; failing both, a
+token tree verifies three alignment hypotheses in the same forward pass: "substitution" (skip one
+source token), "insertion" (stay) and "word replaced" (skip to the next source word, which covers
+a misspelt word of several tokens written back as one, e.g. " know|led|ges" -> " knowledge"; else
 skip two tokens). A punctuation mark is most often inserted, so after one the insertion branch
 goes first and gets the longest draft.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import re
 
 from specsuite.core.draft import AdaptiveLength, Draft, Drafter
-from specsuite.core.prompt_lookup import NgramIndex
+from specsuite.core.prompt_lookup import CopiedDraft, NgramIndex
 
 SENTENCE_END_CHARS = (".", "!", "?", "\n")
 
@@ -83,11 +85,10 @@ class CopyDrafter(Drafter):
         self.punctuation = set(punctuation)
         self.branches, self.branch_tokens, self.window, self.overrun = branches, branch_tokens, window, overrun
         self.length = AdaptiveLength(max_tokens, 4, max_tokens, grow=max_tokens, keep_on_partial=True)
-        # Source n-grams (n = 1..3) -> every position just past an occurrence, for re-anchoring.
-        self.anchors: dict[tuple[int, ...], list[int]] = {}
-        for end in range(1, len(self.target) + 1):
-            for n in range(1, min(3, end) + 1):
-                self.anchors.setdefault(tuple(self.target[end - n: end]), []).append(end)
+        # Source n-grams (n = 1..3) -> the positions just past them, for re-anchoring. Two
+        # positions are enough to tell a unique n-gram; the last one counts too (it ends the source).
+        self.anchors = NgramIndex(3, max_positions=2)
+        self.anchors.extend(self.target, complete=True)
         self.fallback = NgramIndex(3)
         self.reset([])
 
@@ -106,11 +107,13 @@ class CopyDrafter(Drafter):
         self.seen = 0  # output tokens already used to move the pointer
         self.pos = 0  # index in target of the token the output should copy next
         self.synced = True  # the last output token was copied from target[pos - 1]
+        self.copied: CopiedDraft | None = None  # the last draft, if copied from target
         self.length.reset()
         self.fallback.reset()
 
     def _advance(self, out: list[int]) -> None:
-        """Move the pointer over the output tokens not seen yet."""
+        """Move the pointer over the output tokens not seen yet: after an accepted draft, only the
+        target's own next token (`update` moved the pointer over the accepted ones)."""
         target = self.target
         for i in range(self.seen, len(out)):
             t = out[i]
@@ -122,9 +125,9 @@ class CopyDrafter(Drafter):
                 continue
             self.synced = False
             for n in (3, 2, 1):  # re-anchor on a unique n-gram of the output, longest first
-                ends = self.anchors.get(tuple(out[max(0, i + 1 - n): i + 1])) if i + 1 >= n else None
-                if ends and len(ends) == 1:
-                    self.pos, self.synced = ends[0], True
+                ends = self.anchors.positions(out[i + 1 - n: i + 1]) if i + 1 >= n else []
+                if len(ends) == 1:
+                    self.pos, self.synced = ends[0][1], True
                     break
         self.seen = len(out)
 
@@ -133,26 +136,38 @@ class CopyDrafter(Drafter):
         stop = next((e for e in self.sentence_ends if e >= start + self.overrun), len(self.target))
         return self.target[start: min(stop, start + length)]
 
+    def _copy(self, chains: list[tuple[int, list[int]]]) -> Draft | None:
+        """The draft of `chains` (target index of its first token, tokens), remembered for `update`."""
+        copies = [((0, start), chain) for start, chain in chains if chain]
+        self.copied = CopiedDraft(copies) if copies else None
+        return self.copied.draft if self.copied else None
+
     def propose(self, tokens: list[int], max_depth: int) -> Draft | None:
         out = tokens[self.prompt_len:]
         self._advance(out)
+        self.copied = None
         length = min(self.length.value, max_depth)
         if self.pos < len(self.target):
             if self.synced or self.branches == 1:
-                chain = self._chain(self.pos, length)
-                return Draft.chain(chain) if chain else None
+                return self._copy([(self.pos, self._chain(self.pos, length))])
             # Unanchored edit: substitution, insertion or a replaced word (see the module docstring).
             p = self.pos
             word = self.next_word[p] if self.next_word[p] > p + 1 else p + 2
             hypotheses = (p, p + 1, word) if out and out[-1] in self.punctuation else (p + 1, p, word)
             starts = [s for s in dict.fromkeys(hypotheses) if s < len(self.target)][: self.branches]
-            paths = [self._chain(s, min(length, n)) for s, n in zip(starts, self.branch_tokens)]
-            paths = [p for p in paths if p]
-            return Draft.from_paths(paths) if paths else None
+            return self._copy([(s, self._chain(s, min(length, n))) for s, n in zip(starts, self.branch_tokens)])
         # Past the end of the source: the model writes on; look up its own text.
         self.fallback.extend(tokens)
         hit = self.fallback.lookup(tokens, 2)
-        return Draft.chain(tokens[hit[0]: hit[0] + min(8, max_depth)]) if hit else None
+        if hit is None:
+            return None
+        (_, start), _ = hit
+        return Draft.chain(tokens[start: start + min(8, max_depth)])
 
     def update(self, draft: Draft | None, path: list[int]) -> None:
         self.length.update(len(path), len(draft) if draft else 0)
+        if self.copied is not None and draft is not None and path:
+            # The output copied the accepted branch: go on just past its last node's source token.
+            (_, last), *_ = self.copied.origins_of(draft, path)
+            self.pos, self.synced = last + 1, True
+            self.seen += len(path)

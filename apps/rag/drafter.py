@@ -1,13 +1,14 @@
 """Reference drafting for RAG: answers quote their passages, so draft what follows in them.
 
 Every 1..max_ngram-gram of the reference passages (and, per generation, of the prompt) maps to the
-positions just past its occurrences. Each step looks up the longest suffix of the sequence (longest
-first) and drafts the tokens that follow those positions. A pointer follows the copy: when the
-output went on exactly as a drafted source did, that source's next tokens are the first choice,
-so a quote is drafted from the passage it started in even where its words occur elsewhere too.
-Distinct candidate continuations are verified together as a small token tree.
+positions just past its occurrences (an `NgramIndex`). Each step looks up the longest suffix of the
+sequence (longest first) and drafts the tokens that follow those positions. A pointer follows the
+copy: when the output went on as a drafted source did (the draft's accepted path, then the target's
+own next token), that source's next tokens are the first choice, so a quote is drafted from the
+passage it started in even where its words occur elsewhere too. Distinct candidate continuations
+are verified together as a small token tree.
 
-The answer so far is indexed too (through `NgramIndex`), for answers that repeat themselves.
+The answer so far is indexed too, for answers that repeat themselves.
 """
 
 from __future__ import annotations
@@ -15,22 +16,11 @@ from __future__ import annotations
 from typing import Sequence
 
 from specsuite.core.draft import AdaptiveLength, Draft, Drafter
-from specsuite.core.prompt_lookup import NgramIndex
+from specsuite.core.prompt_lookup import CopiedDraft, Location, NgramIndex
 
 from .prompt import passage_text
 
 OWN = -1  # source id of the sequence itself (prompt + answer so far)
-Location = tuple[int, int]  # (source id, index in that source of the next token to copy)
-
-
-def _index(table: dict[tuple[int, ...], list[Location]], source: int, tokens: list[int], max_ngram: int,
-           max_positions: int) -> None:
-    """Add the n-grams of `tokens` that have a continuation, mapped to the position after them."""
-    for end in range(1, len(tokens)):
-        for n in range(1, min(max_ngram, end) + 1):
-            places = table.setdefault(tuple(tokens[end - n: end]), [])
-            if len(places) < max_positions:  # a frequent token need not list every occurrence
-                places.append((source, end))
 
 
 class ReferenceDrafter(Drafter):
@@ -52,11 +42,13 @@ class ReferenceDrafter(Drafter):
             raise ValueError("branches and max_ngram must be at least 1")
         self.references = [list(r) for r in references]
         self.max_ngram, self.branches, self.branch_tokens = max_ngram, branches, branch_tokens
-        self.max_nodes, self.max_positions = max_nodes, max_positions
-        self.table: dict[tuple[int, ...], list[Location]] = {}
+        self.max_nodes = max_nodes
+        self.index = NgramIndex(max_ngram, max_positions=max_positions)
         for source, ref in enumerate(self.references):
-            _index(self.table, source, ref, max_ngram, max_positions)
+            self.index.extend(ref, source)
         self.prompt_source = len(self.references)  # the prompt is one more reference, per generation
+        # Apart from the passages' index: that one is built once, this one per generation.
+        self.prompt_index = NgramIndex(max_ngram, max_positions=max_positions)
         self.own = NgramIndex(max_ngram)
         # As for the other copy drafters: a partial acceptance keeps the length (the output diverged
         # from a right source), an outright miss halves it.
@@ -71,12 +63,12 @@ class ReferenceDrafter(Drafter):
 
     def reset(self, prompt: list[int], sampling=None) -> None:
         self.prompt = list(prompt)
-        self.prompt_table: dict[tuple[int, ...], list[Location]] = {}
-        _index(self.prompt_table, self.prompt_source, self.prompt, self.max_ngram, self.max_positions)
+        self.prompt_index.reset()
+        self.prompt_index.extend(self.prompt, self.prompt_source)
         self.own.reset()
         self.length.reset()
-        self.seen = len(prompt)  # sequence length at the last proposal
-        self.drafted_from: list[Location] = []  # where each path of the last draft was copied from
+        self.copied: CopiedDraft | None = None  # the last draft
+        self.followed: list[Location] = []  # where the accepted path leads: the next token to copy
         self.recent: int | None = None  # the source the answer copied from last
         self.misses = 0  # drafts in a row with nothing accepted
         self.depth = 0  # depth of the last draft
@@ -87,14 +79,13 @@ class ReferenceDrafter(Drafter):
         return self.prompt if source == self.prompt_source else self.references[source]
 
     def _follow(self, tokens: list[int]) -> Location | None:
-        """Where the copy goes on: the location of the last draft whose source holds exactly the
-        tokens added since (accepted draft tokens and the target's own next token), if any."""
-        new = tokens[self.seen:]
-        self.seen = len(tokens)
-        for source, pos in self.drafted_from:
-            if self._source(source, tokens)[pos: pos + len(new)] == new:
+        """Where the copy goes on: past the source of the last accepted draft node, if the target's
+        own next token (the last of `tokens`) is also that source's next token."""
+        followed, self.followed = self.followed, []
+        for source, pos in followed:
+            if self._source(source, tokens)[pos: pos + 1] == tokens[-1:]:
                 self.recent = source
-                return source, pos + len(new)
+                return source, pos + 1
         return None
 
     def _candidates(self, tokens: list[int], pointer: Location | None) -> list[Location]:
@@ -105,12 +96,12 @@ class ReferenceDrafter(Drafter):
         own = self.own.lookup(tokens, shortest)
         for n in range(min(self.max_ngram, len(tokens)), shortest - 1, -1):
             key = tuple(tokens[-n:])
-            places = self.table.get(key, []) + self.prompt_table.get(key, [])
+            places = self.index.positions(key) + self.prompt_index.positions(key)
             # The passage being quoted first (a stable sort keeps passages before the prompt).
             places.sort(key=lambda loc: loc[0] != self.recent)
             out += places
             if own and own[1] == n:
-                out.append((OWN, own[0]))
+                out.append(own[0])
             if len(out) >= 4 * self.branches:
                 break
         return out
@@ -119,10 +110,9 @@ class ReferenceDrafter(Drafter):
         if len(tokens) <= len(self.prompt):
             # At the prefill the sequence ends with the chat template's "assistant" header: its
             # matches in the passages are noise, and each drafted row costs the long prefill more.
-            self.seen = len(tokens)
             return None
         pointer = self._follow(tokens)
-        self.own.extend(tokens)
+        self.own.extend(tokens, OWN)
         depth = min(self.length.value, max_depth)
         # While the output copies a source, its continuation is the draft. Otherwise several
         # candidates are verified at once; the first one keeps the longest share of the node budget.
@@ -134,11 +124,10 @@ class ReferenceDrafter(Drafter):
             if len(found) == (1 if pointer else self.branches):
                 break
         first = max(1, self.max_nodes - (len(found) - 1) * self.branch_tokens)
-        paths: list[list[int]] = []
-        self.drafted_from = []
+        copies: list[tuple[Location, list[int]]] = []
         nodes: set[tuple[int, ...]] = set()  # the tree so far, as root-to-node token paths
         for location, path in found:
-            path = path[: first if not paths else self.branch_tokens]
+            path = path[: first if not copies else self.branch_tokens]
             shared = 0
             while shared < len(path) and tuple(path[: shared + 1]) in nodes:
                 shared += 1
@@ -146,14 +135,15 @@ class ReferenceDrafter(Drafter):
             if len(path) <= shared:  # no room, or nothing new
                 continue
             nodes.update(tuple(path[: i + 1]) for i in range(shared, len(path)))
-            paths.append(path)
-            self.drafted_from.append(location)
-        self.depth = max(map(len, paths), default=0)
-        return Draft.from_paths(paths) if paths else None
+            copies.append((location, path))
+        self.depth = max((len(p) for _, p in copies), default=0)
+        self.copied = CopiedDraft(copies) if copies else None
+        return self.copied.draft if copies else None
 
     def update(self, draft: Draft | None, path: list[int]) -> None:
-        if not draft:
+        if not draft or self.copied is None:
             return
         self.misses = 0 if path else self.misses + 1
         # The length follows the deepest path: a tree never has all its nodes accepted.
         self.length.update(len(path), self.depth)
+        self.followed = [(source, pos + 1) for source, pos in self.copied.origins_of(draft, path)]
