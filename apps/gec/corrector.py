@@ -8,6 +8,7 @@ decoding writes, only faster), and the corrections are put back into the text's 
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -148,20 +149,35 @@ class Corrector:
         failed: dict[int, Exception] = {}
         next_out = 0
 
-        def requests() -> Iterator[Request]:
+        def segments() -> Iterator[tuple[int, int, str]]:
             for t, text in enumerate(texts):
                 try:
                     check_source(self, text)  # as correct() does
-                    segments = self.segments(text)
+                    parts = self.segments(text)
                 except Exception as e:  # noqa: BLE001
                     pending[t] = (text, [], [], [0])
                     failed[t] = e
                     continue
-                todo = [i for i, seg in enumerate(segments) if seg.text]
-                pending[t] = (text, segments, [None] * len(segments), [len(todo)])
-                for i in todo:
-                    owner.append((t, i))
-                    yield self._request(segments[i].text)
+                todo = [i for i, seg in enumerate(parts) if seg.text]
+                pending[t] = (text, parts, [None] * len(parts), [len(todo)])
+                yield from ((t, i, parts[i].text) for i in todo)
+
+        def requests() -> Iterator[Request]:
+            # The longest of the next 2 x batch_size segments first: a job then ends on short ones,
+            # not on a few long corrections decoding alone in a near-empty batch.
+            waiting: list[tuple[int, int, int, str]] = []
+
+            def longest() -> Request:
+                _, t, i, seg = heapq.heappop(waiting)
+                owner.append((t, i))
+                return self._request(seg)
+
+            for t, i, seg in segments():
+                heapq.heappush(waiting, (-len(seg), t, i, seg))
+                if len(waiting) >= 2 * batch_size:
+                    yield longest()
+            while waiting:
+                yield longest()
 
         def ready() -> Iterator[Correction | Exception]:
             nonlocal next_out
