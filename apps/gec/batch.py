@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, is_dataclass
@@ -66,6 +67,7 @@ class BatchSummary:
     errors: int
     skipped_resumed: int
     warnings: int = 0
+    seconds: float = 0.0  # this run's correcting time, model load excluded
 
 
 class ResumeError(RuntimeError):
@@ -106,6 +108,7 @@ def run_batch(
         corrector = corrector_factory()
         limit = max_tokens if max_tokens is not None else corrector.context_limit
         rate_sum, rate_count = 0.0, 0
+        start = time.perf_counter()
         with tqdm(total=total, initial=done.lines, unit="sent", disable=not progress, dynamic_ncols=True) as bar:
             for record, fallback in correct_lines(_lines(input_path, skip=done.lines), fmt, field, corrector, limit):
                 writer.write(record, fallback)
@@ -122,7 +125,7 @@ def run_batch(
                     postfix["accept"] = f"{rate_sum / rate_count:.0%}"
                 bar.set_postfix(postfix, refresh=False)
                 bar.update(1)
-    return BatchSummary(total, ok, errors, done.lines, warnings)
+    return BatchSummary(total, ok, errors, done.lines, warnings, time.perf_counter() - start)
 
 
 # ---- reading the input -------------------------------------------------------------------

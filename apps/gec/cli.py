@@ -56,8 +56,10 @@ def _correct(args: argparse.Namespace) -> int:
     except (OSError, ValueError, ResumeError, RuntimeError) as e:  # RuntimeError: the lock, model provisioning
         return _fail(str(e))
     resumed = f" ({summary.skipped_resumed} from an earlier run)" if summary.skipped_resumed else ""
+    done = summary.total - summary.skipped_resumed
+    speed = f" in {summary.seconds:.1f} s ({done / summary.seconds:.2f} lines/s, model load excluded)" if summary.seconds else ""
     print(f"{summary.total} lines{resumed}: {summary.ok} corrected, {summary.errors} errors, "
-          f"{summary.warnings} truncated")
+          f"{summary.warnings} truncated{speed}")
     if summary.errors or summary.warnings:
         where = args.output + ".errors.jsonl" if args.output.endswith(".txt") else args.output
         print(f"error and truncation records: {where}")
