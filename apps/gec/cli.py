@@ -6,6 +6,7 @@ import argparse
 import functools
 import re
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -119,7 +120,9 @@ def _eval(args: argparse.Namespace) -> int:
         corrector = _corrector(args)
     except (ValueError, RuntimeError) as e:
         return _fail(str(e))
+    start = time.perf_counter()
     results = list(tqdm(corrector.correct_each(sources), total=len(sources), unit="sent", dynamic_ncols=True))
+    wall = time.perf_counter() - start
     corrections = [c for c in results if not isinstance(c, Exception)]
     for number, c in enumerate(results, 1):
         if isinstance(c, Exception):  # e.g. a blank line: scored as the source, left unchanged
@@ -133,7 +136,13 @@ def _eval(args: argparse.Namespace) -> int:
     for name, hyps in (("corrections", hypotheses), ("source (no edits)", src_tokens)):
         g = corpus_gleu(src_tokens, refs_per_sentence, hyps)
         print(f"  {name:18} {g.mean:.4f}  std {g.std:.4f}  95% CI ({g.ci[0]:.4f}, {g.ci[1]:.4f})")
-    print(f"speed: {_speed_line(combine_stats(c.stats for c in corrections))}")
+    stats = combine_stats(c.stats for c in corrections)
+    if corrector.batch_size > 1:  # sequences shared each forward: their times overlap, no estimate
+        print(f"speed: {len(sources)} sentences in {wall:.1f} s ({len(sources) / wall:.2f} sentences/s, batch size "
+              f"{corrector.batch_size}), {stats['tokens_per_step']:.2f} tokens per sequence step, "
+              f"{stats['acceptance_rate']:.0%} of drafted tokens accepted")
+    else:
+        print(f"speed: {_speed_line(stats)}; {len(sources) / wall:.2f} sentences/s")
     if truncated := sum(c.truncated for c in corrections):
         print(f"{truncated} corrections were cut at max_new_tokens")
     return 0
