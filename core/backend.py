@@ -108,6 +108,10 @@ class Backend:
             return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
 
 
+# exact-bf16: every row rounds bit for bit as in a one-token step, so no guard is needed (Qwen2.5-0.5B:
+# 100 of 100 JFLEG corrections identical to greedy without one). fp32-cpu: every row runs on faster
+# kernels than plain decoding's and differs from it by up to ~4e-5 (Qwen2.5-0.5B's logits after a
+# prefill, JFLEG prompts): a guard 25x wider.
 EXACT_BF16 = Backend("exact-bf16", bf16_rows, exact_rows=True, tie_margin=0.0)
 FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, draft_sizes=FP32_CPU_DRAFT_SIZES,
                    prefill_draft=FP32_CPU_PREFILL_DRAFT, plain_steps=False, lossless_prefix_cache=True)
