@@ -227,7 +227,9 @@ class RagQA:
         bulk jobs: `specsuite rag answer`)."""
         k = check_k(k)
         engine = BatchEngine(self.model, batch_size, eos_token_id=self.eos)
-        asked: dict[int, tuple[str, list[Scored], dict[str, Any]] | Exception] = {}
+        asked: dict[int, tuple[str, list[Scored], dict[str, Any]]] = {}
+        owner: list[int] = []  # request number -> question number
+        ready: dict[int, Answer | Exception] = {}  # finished or failed, by question number
 
         def requests() -> Iterator[Request]:
             for i, question in enumerate(questions):
@@ -236,25 +238,26 @@ class RagQA:
                     scored, extra = self._retrieve_timed(question, k)
                     prompt, drafter = self._request(question, scored)
                 except Exception as e:  # noqa: BLE001 - reported in its place
-                    asked[i] = e
-                    prompt, drafter = [], None  # the engine refuses an empty prompt: a placeholder
-                else:
-                    asked[i] = (question, scored, extra)
+                    ready[i] = e
+                    continue
+                asked[i] = (question, scored, extra)
+                owner.append(i)
                 yield Request(prompt, drafter, max_new_tokens=self.max_new_tokens)
 
-        done: dict[int, Generation | Exception] = {}
         next_out = 0
-        for index, result in engine.run(requests()):
-            done[index] = result
-            while next_out in done:
-                result, item = done.pop(next_out), asked.pop(next_out)
-                if isinstance(item, Exception):
-                    yield item
-                elif isinstance(result, Exception):
-                    yield result
-                else:
-                    yield self._finish(item[0], item[1], result, item[2])
+
+        def in_order() -> Iterator[Answer | Exception]:
+            nonlocal next_out
+            while next_out in ready:
+                yield ready.pop(next_out)
                 next_out += 1
+
+        for index, result in engine.run(requests()):
+            i = owner[index]
+            question, scored, extra = asked.pop(i)
+            ready[i] = result if isinstance(result, Exception) else self._finish(question, scored, result, extra)
+            yield from in_order()
+        yield from in_order()
 
     def _finish(self, question: str, scored: list[Scored], generation: Generation,
                 extra: dict[str, Any]) -> Answer:
