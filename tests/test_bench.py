@@ -19,10 +19,11 @@ def jfleg(shared_data):
 def test_gec_bench_compares_the_copy_drafter_with_hf_greedy(smollm2_fp32, jfleg, monkeypatch, prefix_cache):
     """Every method's output is compared with HF greedy token for token; in fp32 our methods reuse
     the shared instruction's KV as the app does, unless turned off."""
-    monkeypatch.setattr(bench, "load_model", lambda name, dtype=None: smollm2_fp32)
+    monkeypatch.setattr(bench, "load_model", lambda name, dtype=None, backend="auto": smollm2_fp32)
     report = bench.run_bench("gec", "smollm2-135m", jfleg, n=3, max_new_tokens=12, methods=["spec_copy"],
                              prefix_cache=prefix_cache)
     assert report["n"] == 3 and report["spec_prefix_cache"] is prefix_cache
+    assert report["backend"] == "fp32-cpu"  # the backend our methods ran is in the report
     assert set(report["methods"]) == {"hf_greedy", "spec_copy"}
     ours = report["methods"]["spec_copy"]
     assert ours["identical_to_greedy"] == 1.0 and report["mismatches"]["spec_copy"] == []
