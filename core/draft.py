@@ -110,6 +110,25 @@ class Drafter:
         `propose` sees it at the end of `tokens`)."""
 
 
+def propose_within(drafter: Drafter, tokens: list[int], room: int, vocab: int, cap: int | None = None) -> Draft | None:
+    """The drafter's draft for `tokens`, cut to the room - 1 tokens a step can add besides the
+    target's own and to `cap` nodes (None: no cap); None if nothing is left. A token id outside
+    0..vocab - 1 is the drafter's bug: ValueError. (The decoding loops of generate() and the engine.)"""
+    if room <= 1 or cap == 0:
+        return None
+    draft = drafter.propose(tokens, room - 1)
+    if draft is None:
+        return None
+    draft = draft.limit_depth(room - 1)
+    if cap is not None:
+        draft = draft.limit_size(cap)
+    if not len(draft):
+        return None
+    if max(draft.tokens) >= vocab or min(draft.tokens) < 0:
+        raise ValueError(f"drafter {drafter.name!r} proposed token ids outside the vocabulary (0..{vocab - 1})")
+    return draft
+
+
 class NoDrafter(Drafter):
     """Plain autoregressive decoding through the same loop: one token per forward pass."""
 

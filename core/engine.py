@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from . import decoder_forward
-from .draft import Draft, Drafter, NoDrafter
+from .draft import Draft, Drafter, NoDrafter, propose_within
 from .draft_budget import DraftBudget, StepCost, cost_file
 from .backend import backend_for
-from .generate import Generation, GenerationStats, StepCallback, context_length, eos_token_ids
+from .generate import Generation, GenerationStats, StepCallback, context_length, eos_end, eos_token_ids
 from .verify import Sampling, top_two, tree_attention_mask, verify_greedy, verify_sample, warp
 
 
@@ -111,6 +111,7 @@ class BatchEngine:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = attn.head_dim
         self.context = context_length(model)
+        self.vocab = model.get_output_embeddings().weight.shape[0]
         self.token_bytes = 2 * len(self.layers) * self.kv_heads * self.head_dim * model.dtype.itemsize
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -378,18 +379,7 @@ class BatchEngine:
         return True
 
     def _propose(self, slot: _Slot) -> Draft | None:
-        if slot.room <= 1:
-            return None
-        draft = slot.drafter.propose(slot.seq, slot.room - 1)
-        if draft is None:
-            return None
-        draft = draft.limit_depth(slot.room - 1)
-        if not len(draft):
-            return None
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        if max(draft.tokens) >= vocab or min(draft.tokens) < 0:
-            raise ValueError(f"drafter {slot.drafter.name!r} proposed token ids outside the vocabulary")
-        return draft
+        return propose_within(slot.drafter, slot.seq, slot.room, self.vocab)
 
     def _commit(self, slot: _Slot, draft: Draft | None, logits: torch.Tensor, best: list[int], cache_slot: int,
                 step_s: float) -> str | None:
@@ -431,10 +421,8 @@ class BatchEngine:
         step = [draft.tokens[i] for i in path] + [nxt]
         flags = [True] * len(path) + [False]
         finish = None
-        for i, t in enumerate(step):  # an EOS inside the accepted draft ends the sequence there
-            if t in slot.eos:
-                step, flags, finish = step[: i + 1], flags[: i + 1], "eos"
-                break
+        if (end := eos_end(step, slot.eos)) is not None:
+            step, flags, finish = step[:end], flags[:end], "eos"
         slot.seq += step
         slot.new += step
         slot.from_draft += flags

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from .backend import Backend, backend_for, plain_backend
-from .draft import Draft, Drafter, NoDrafter, SizeLadder
+from .draft import Draft, Drafter, NoDrafter, SizeLadder, propose_within
 from .verify import Sampling, top_two, verify_greedy, verify_sample, warp
 
 # Called after every step with the new tokens and, per token, whether it came from an accepted draft.
@@ -100,6 +100,12 @@ def turn_end_token(model, tokenizer=None) -> int:
     return min(eos)
 
 
+def eos_end(tokens: list[int], eos: set[int]) -> int | None:
+    """How many of `tokens` to keep when one is an EOS (an EOS inside an accepted draft ends the
+    sequence there): up to and including the first; None if there is none."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
+
+
 def context_length(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
 
@@ -169,19 +175,7 @@ class _Decoding:
 
     def propose(self, cap: int | None) -> Draft | None:
         """The drafter's draft, cut to the room left and to `cap` nodes (None: no cap)."""
-        if self.room <= 1 or self.redo or cap == 0:
-            return None
-        draft = self.drafter.propose(self.seq, self.room - 1)
-        if draft is None:
-            return None
-        draft = draft.limit_depth(self.room - 1)
-        if cap is not None:
-            draft = draft.limit_size(cap)
-        if not len(draft):
-            return None
-        if max(draft.tokens) >= self.vocab or min(draft.tokens) < 0:
-            raise ValueError(f"drafter {self.drafter.name!r} proposed token ids outside the vocabulary (0..{self.vocab - 1})")
-        return draft
+        return None if self.redo else propose_within(self.drafter, self.seq, self.room, self.vocab, cap)
 
     def forward(self, draft: Draft | None, plain: bool = False) -> torch.Tensor:
         """ONE target forward over [fresh tokens, draft]: (1 + len(draft), vocab) logits. plain:
@@ -257,10 +251,8 @@ class _Decoding:
             step.append(nxt)
             flags.append(False)
             self.fresh = [nxt]
-        for i, t in enumerate(step):  # an EOS inside the accepted draft ends the generation there
-            if t in self.eos:
-                step, flags, self.finish = step[: i + 1], flags[: i + 1], "eos"
-                break
+        if (end := eos_end(step, self.eos)) is not None:
+            step, flags, self.finish = step[:end], flags[:end], "eos"
         self.seq += step
         self.new += step
         self.from_draft += flags
