@@ -6,9 +6,10 @@ the draft verified in the prefill, and whether a prefix cache is lossless.
 
 - `exact-bf16` (bf16 on the CPU): draft rows round bit for bit as one-token decode steps
   (exact_attention.py, exact_linear.py's `bf16_rows`): no tie guard, output identical to greedy.
-- `fp32-cpu`: every row on the fastest fp32 kernel (exact_linear.py's `fp32_linear`); rows differ
-  from plain decoding by ~1e-6, so a near-tie (top two logits within 1e-3) is redone as plain
-  decoding computes it; a ladder of draft sizes that fill the kernel's cheap row counts.
+- `fp32-cpu`: every row on the fastest fp32 kernel form for its row count (exact_linear.py's
+  `fp32_linear`; measured once per machine and model by `fp32_forms`); rows differ from plain
+  decoding by ~1e-6, so a near-tie (top two logits within 1e-3) is redone as plain decoding
+  computes it; a ladder of draft sizes that fill the kernel's cheap row counts.
 - `plain` (CUDA, fp16, or bf16 where the exact forms cost too much): the model's own multi-row
   forward, as HF's prompt lookup verifies; a tie guard in fp32 only (see PLAIN_TIE_MARGIN).
 
@@ -20,6 +21,7 @@ model and dtype; kept on disk) and takes `plain` when the exact one costs over E
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import statistics
 import time
@@ -33,7 +35,7 @@ from . import decoder_forward
 from .draft import Draft
 from .draft_budget import cost_file
 from .exact_attention import NAME as EXACT_ATTENTION, block_rows
-from .exact_linear import bf16_rows, fp32_linear
+from .exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, bf16_rows, drop_packed, fp32_linear
 from .verify import tree_attention_mask
 
 # fp32 on the CPU: a verify step of 2-4 rows costs 1.1-1.2x a one-row step, 5-9 rows ~1.4-1.7x,
@@ -47,8 +49,10 @@ FP32_CPU_DRAFT_SIZES = (3, 7, 15, 31)
 # fp32 on the CPU, a prefill is compute-bound: 8 more rows after a 30-row GEC prompt suffix cost
 # ~0.45 of a one-token step, 16 rows ~0.9 (Qwen2.5-0.5B, measured ad hoc), so the prefill verifies a
 # draft too. Replayed on 100 JFLEG outputs with those costs, an 8-node draft in the prefill saved
-# ~10% of the decode time, 16 nodes as much, 32 less.
-FP32_CPU_PREFILL_DRAFT = 8
+# ~10% of the decode time, 16 nodes as much, 32 less; on 40 JFLEG sentences (AVX2 CPU, 0.5B) 85.2 s
+# with 16 nodes, 85.9 s with 8, 100.1 s with none; on 20 (AMX CPU, Qwen2.5-1.5B in fp32) 56.6 s with
+# 16, 58.5 s with 8, 63.9 s with none.
+FP32_CPU_PREFILL_DRAFT = 16
 
 # The exact bf16 forms are kept while a verify forward in them costs at most this much more than
 # the plain one (measured at AFFORDABILITY_ROWS rows, what a copy draft verifies).
@@ -139,7 +143,7 @@ def choose_backend(model, kind: str = "auto") -> Backend:
     if kind == "plain" or not cpu or not exact_installed or model.dtype not in (torch.bfloat16, torch.float32):
         return plain_backend(model.dtype)
     if model.dtype == torch.float32:
-        return FP32_CPU
+        return replace(FP32_CPU, linear=functools.partial(fp32_linear, forms=fp32_forms(model)))
     if kind == "exact" or exact_is_affordable(model):
         return EXACT_BF16
     return plain_backend(model.dtype)
@@ -187,19 +191,37 @@ def measure_forward_costs(model, backends: list[Backend], rows: list[int], conte
     return {name: {k: statistics.median(v) for k, v in per_rows.items()} for name, per_rows in times.items()}
 
 
+def _measured(model, measure: str, backends: list[Backend], rows: list[int]) -> dict[str, dict[int, float]]:
+    """`measure_forward_costs` of `backends` (reps 2), kept on disk per machine and model as
+    `measure` (`cost_file`) and read from there on later calls."""
+    path = cost_file(model, measure=measure)
+    if path is not None and path.exists():
+        with contextlib.suppress(ValueError, KeyError, OSError):
+            kept = json.loads(path.read_text())["seconds"]
+            return {name: {int(k): v for k, v in per_rows.items()} for name, per_rows in kept.items()}
+    costs = measure_forward_costs(model, backends, rows, reps=2)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"seconds": costs}))
+    return costs
+
+
+def fp32_forms(model) -> tuple[str, ...]:
+    """The fastest fp32 kernel form (`exact_linear.FP32_FORMS`) for each of FP32_ROW_BUCKETS row
+    counts, from verify forwards timed in each form (once per machine and model, ~3 s for a 0.5B
+    model, ~30 s for a 1.5B one; kept on disk)."""
+    backends = [replace(FP32_CPU, name=form, linear=functools.partial(fp32_linear, forms=(form,) * len(FP32_ROW_BUCKETS)))
+                for form in FP32_FORMS]
+    costs = _measured(model, "fp32-forms", backends, list(FP32_ROW_BUCKETS))
+    forms = tuple(min(FP32_FORMS, key=lambda form: costs[form][rows]) for rows in FP32_ROW_BUCKETS)
+    if "packed" not in forms:
+        drop_packed(model)  # a second copy of the weights
+    return forms
+
+
 def exact_is_affordable(model) -> bool:
     """Whether the exact bf16 forms cost at most EXACT_OVERHEAD more than plain forwards at
     AFFORDABILITY_ROWS rows on this machine (measured once, ~1 s for a 0.5B model; kept on disk)."""
-    path = cost_file(model, measure="exact-vs-plain")
-    costs = None
-    if path is not None and path.exists():
-        with contextlib.suppress(ValueError, KeyError, OSError):
-            costs = json.loads(path.read_text())["seconds"]
-    if costs is None:
-        measured = measure_forward_costs(model, [EXACT_BF16, plain_backend(model.dtype)], list(AFFORDABILITY_ROWS),
-                                         reps=2)
-        costs = {name: sum(per_rows.values()) for name, per_rows in measured.items()}
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"seconds": costs}))
+    measured = _measured(model, "exact-vs-plain-v2", [EXACT_BF16, plain_backend(model.dtype)], list(AFFORDABILITY_ROWS))
+    costs = {name: sum(per_rows.values()) for name, per_rows in measured.items()}
     return costs[EXACT_BF16.name] <= (1 + EXACT_OVERHEAD) * costs[PLAIN.name]

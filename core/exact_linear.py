@@ -71,18 +71,31 @@ def bf16_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int) -> torch.Tens
                       one_row_rounding(x[0, block:], layer.weight, layer.bias)[None]], dim=1)
 
 
-def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int) -> torch.Tensor:
-    """x (1, rows, in) -> (1, rows, out) by the fastest CPU kernel for the row count: `weight @
-    x.T` for 2-4 rows (`fp32_rows`), else oneDNN on packed weights (where torch lacks oneDNN:
-    `F.linear` for one row or a prefill, `fp32_rows` for draft rows)."""
+# The fp32 kernel forms: torch's `F.linear`, `weight @ x.T` in padded column calls (`fp32_rows`),
+# oneDNN on packed weights. Which is fastest for a row count depends on the CPU and the model: on an
+# AVX2-only CPU (Qwen2.5-0.5B) "columns" for 2-4 rows and "packed" otherwise (the default); on an
+# AMX CPU with Qwen2.5-1.5B, `F.linear` for 1-2 rows (295/303 ms a forward against 320/566) and
+# "packed" from 5 rows (359 ms at 5 rows against 581). `backend.fp32_forms` measures the choice.
+FP32_FORMS = ("plain", "columns", "packed")
+FP32_ROW_BUCKETS = (1, 2, 4, 8, 16, 32)  # a forward of r rows takes the form of the first bucket >= r
+
+
+def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int, forms: tuple[str, ...] | None = None) -> torch.Tensor:
+    """x (1, rows, in) -> (1, rows, out) in the form `forms` names for the row count (one per
+    FP32_ROW_BUCKETS; None: "columns" for 2-4 rows, else "packed"). Without oneDNN, "packed" is
+    `F.linear` for one row or a prefill and "columns" for draft rows."""
     rows = x.shape[1]
-    if 2 <= rows <= 4:
+    if forms is None:
+        form = "columns" if 2 <= rows <= 4 else "packed"
+    else:
+        form = forms[next((i for i, b in enumerate(FP32_ROW_BUCKETS) if rows <= b), len(FP32_ROW_BUCKETS) - 1)]
+    if form == "packed" and not ONEDNN:
+        form = "plain" if rows == 1 or block >= rows else "columns"
+    if form == "columns":
         return fp32_rows(x[0], layer.weight, layer.bias)[None]
-    if ONEDNN:
+    if form == "packed":
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight(layer), layer.bias, "none", [], "")
-    if rows == 1 or block >= rows:
-        return F.linear(x, layer.weight, layer.bias)
-    return fp32_rows(x[0], layer.weight, layer.bias)[None]
+    return F.linear(x, layer.weight, layer.bias)
 
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -100,6 +113,12 @@ def packed_weight(layer: torch.nn.Linear) -> torch.Tensor:
         entry = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
         _packed[layer] = entry
     return entry[1]
+
+
+def drop_packed(model: torch.nn.Module) -> None:
+    """Free the packed weights of `model`'s layers (after a measurement chose other forms)."""
+    for module in model.modules():
+        _packed.pop(module, None)
 
 
 def install(model: torch.nn.Module) -> int:

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from specsuite.core.backend import EXACT_BF16, FP32_CPU, backend_for, measure_forward_costs, plain_backend
+from specsuite.core.backend import EXACT_BF16, FP32_CPU, backend_for, choose_backend, measure_forward_costs, plain_backend
 from specsuite.core.exact_attention import NAME as EXACT_ATTENTION
 from specsuite.core.models import DEFAULT_MODEL, load_model
 
@@ -25,8 +25,8 @@ def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5)
     backend that can run this model: {name: {rows: s}}."""
     backends = [plain_backend(model.dtype)]
     if model.config._attn_implementation == EXACT_ATTENTION and model.device.type == "cpu":
-        exact = {torch.bfloat16: EXACT_BF16, torch.float32: FP32_CPU}.get(model.dtype)
-        backends = ([exact] if exact else []) + backends
+        exact = choose_backend(model, "exact")  # fp32: with the kernel forms measured for this model
+        backends = ([exact] if exact.name in (EXACT_BF16.name, FP32_CPU.name) else []) + backends
     return measure_forward_costs(model, backends, rows, context, reps)
 
 

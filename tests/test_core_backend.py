@@ -14,8 +14,9 @@ import torch
 
 from specsuite.core import PromptLookupDrafter, generate
 from specsuite.core.backend import (
-    EXACT_BF16, FP32_CPU, PLAIN, backend_for, choose_backend, exact_is_affordable, use_backend,
+    EXACT_BF16, FP32_CPU, PLAIN, backend_for, choose_backend, exact_is_affordable, fp32_forms, use_backend,
 )
+from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS
 from specsuite.core.draft_budget import cost_file
 from specsuite.core.models import load_model
 from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
@@ -23,7 +24,7 @@ from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
 def test_each_dtype_and_attention_gets_its_kind():
     fp32 = tiny_model("llama")
-    assert choose_backend(fp32) is FP32_CPU and choose_backend(fp32, "exact") is FP32_CPU
+    assert choose_backend(fp32).name == choose_backend(fp32, "exact").name == FP32_CPU.name
     plain = choose_backend(fp32, "plain")
     assert plain.name == "plain" and plain.tie_margin == 1e-3 and plain.lossless_prefix_cache
     assert choose_backend(tiny_model("llama", "sdpa")).name == "plain"  # no exact forms installed
@@ -44,20 +45,40 @@ def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monk
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
     model = tiny_model("qwen2").to(torch.bfloat16)
-    path = cost_file(model, measure="exact-vs-plain")
+    path = cost_file(model, measure="exact-vs-plain-v2")
     assert not path.exists()
     exact_is_affordable(model)  # measured now (both forms, alternating) and kept
     assert set(json.loads(path.read_text())["seconds"]) == {"exact-bf16", "plain"}
     for exact_s, expected in ((1.10, EXACT_BF16), (2.0, None)):
-        path.write_text(json.dumps({"seconds": {"exact-bf16": exact_s, "plain": 1.0}}))
+        path.write_text(json.dumps({"seconds": {"exact-bf16": {"9": exact_s, "17": exact_s}, "plain": {"9": 1.0, "17": 1.0}}}))
         chosen = choose_backend(model)
         assert chosen is expected if expected else chosen.name == "plain"
+
+
+def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, monkeypatch):
+    """The fp32 forms are timed once (every form, alternating) and kept on disk; each row count
+    then takes the form that was fastest for its bucket, and every form gives greedy's output."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
+    model = tiny_model("qwen2", max_positions=512)
+    path = cost_file(model, measure="fp32-forms")
+    assert len(fp32_forms(model)) == len(FP32_ROW_BUCKETS) and path.exists()
+    assert set(json.loads(path.read_text())["seconds"]) == set(FP32_FORMS)
+    fastest = {1: "plain", 2: "plain", 4: "columns", 8: "packed", 16: "packed", 32: "plain"}
+    path.write_text(json.dumps({"seconds": {form: {str(r): 0.5 if fastest[r] == form else 1.0 for r in FP32_ROW_BUCKETS}
+                                            for form in FP32_FORMS}}))
+    assert fp32_forms(model) == tuple(fastest[r] for r in FP32_ROW_BUCKETS)
+    backend = use_backend(model, "auto")
+    assert backend.name == "fp32-cpu" and backend.linear.keywords["forms"] == fp32_forms(model)
+    for i, p in enumerate(prompts(4, seed=23, lengths=(3, 100))):
+        truth = hf_greedy(model, p, 40)
+        assert generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[]).tokens == truth[:30]
 
 
 def test_the_backend_is_kept_and_chosen_again_after_a_dtype_change(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = tiny_model("llama")
-    assert backend_for(model) is FP32_CPU and backend_for(model) is FP32_CPU
+    assert backend_for(model).name == FP32_CPU.name and backend_for(model) is backend_for(model)
     assert use_backend(model, "plain").name == "plain" and backend_for(model).name == "plain"
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     assert backend_for(bf16).name == "plain" and backend_for(bf16).tie_margin == 0  # same kind, new dtype
