@@ -24,6 +24,7 @@ import contextlib
 import functools
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -199,6 +200,8 @@ def _measured(model, measure: str, backends: list[Backend], rows: list[int]) -> 
         with contextlib.suppress(ValueError, KeyError, OSError):
             kept = json.loads(path.read_text())["seconds"]
             return {name: {int(k): v for k, v in per_rows.items()} for name, per_rows in kept.items()}
+    print(f"specsuite: timing {', '.join(b.name for b in backends)} forwards of this model once on this machine"
+          + (f" (kept in {path})" if path is not None else ""), file=sys.stderr)
     costs = measure_forward_costs(model, backends, rows, reps=2)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -87,7 +87,7 @@ def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         draft_out[:, call.rows] = _run_call(draft_query[:, :, call.rows], key, value, call, kwargs.get("scaling"), gqa)
     if q_len > block:
         out.append(draft_out)
-    return torch.cat(out, dim=1).contiguous(), None
+    return (out[0] if len(out) == 1 else torch.cat(out, dim=1)).contiguous(), None
 
 
 def _row_calls(mask: torch.Tensor | None, block: int, q_len: int, past: int, grouped: bool) -> list[RowCall]:
@@ -217,11 +217,12 @@ def _grouping_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
 class RowCall:
     """One kernel call for g query rows, each as its own one-row decode step (in the batch dimension).
 
-    rows: (g,) the rows' indices among the rows planned together; width: keys per row, padded;
+    rows: the rows' indices among the rows planned together, a slice where they are consecutive (a
+    view of the queries and outputs, no gather); width: keys per row, padded;
     index: (g, width) the key indices of each row, or None where they are a prefix of the cache;
     mask: (g, 1, 1, width) bool, the padding masked out, or None."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor | slice
     width: int
     index: torch.Tensor | None
     mask: torch.Tensor | None
@@ -246,7 +247,8 @@ def _plan_call(rows: list[int], visible: list[int | torch.Tensor], kv_len: int) 
     mask = None
     if min(lengths) < width:
         mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
-    return [RowCall(torch.tensor(rows), width, index, mask)]
+    consecutive = rows == list(range(rows[0], rows[0] + g))
+    return [RowCall(slice(rows[0], rows[0] + g) if consecutive else torch.tensor(rows), width, index, mask)]
 
 
 def _run_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: RowCall,

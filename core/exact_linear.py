@@ -23,12 +23,13 @@ where no form passes, rows run one per call (exact, slow). One-token steps, and 
 In fp32 no form rounds draft rows bit for bit as one-row calls, and none needs to: rows differ
 from plain calls by ~1e-6, and generate()'s tie guard redoes, as plain decoding computes them, the
 rows where that could matter.
-So in fp32 every row of generate()'s forwards takes the fastest kernel instead (`fp32_linear`). On
+So in fp32 every row of generate()'s forwards takes the fastest kernel form for its row count
+instead (`fp32_linear`), as measured for the model on this machine (`backend.fp32_forms`). On
 an AVX2-only CPU (no bf16 hardware, so fp32 is the default dtype) torch's own fp32 `F.linear` is
 MKL's, which packs the weights on every call: a 2-row call costs twice a one-row one. oneDNN with
-weights packed once (`packed_weight`, a second copy of the weights) costs ~10% less for one row,
-~25% less for 16-85 rows (a prefill); for 2-4 rows `weight @ x.T` of 2 or 4 columns is cheaper
-still, about a one-row step (`specsuite step-cost`).
+weights packed once (`packed_weight`, a second copy of the weights) cost ~10% less for one row,
+~25% less for 16-85 rows (a prefill); for 2-4 rows `weight @ x.T` of 2 or 4 columns was cheaper
+still, about a one-row step (`specsuite step-cost`). On an AMX CPU the same forms rank otherwise.
 """
 
 from __future__ import annotations
