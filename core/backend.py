@@ -213,7 +213,8 @@ def fp32_forms(model) -> tuple[str, ...]:
     """The fastest fp32 kernel form (`exact_linear.FP32_FORMS`) for each of FP32_ROW_BUCKETS row
     counts, from verify forwards timed in each form (once per machine and model, ~3 s for a 0.5B
     model, ~30 s for a 1.5B one; kept on disk)."""
-    backends = [replace(FP32_CPU, name=form, linear=functools.partial(fp32_linear, forms=(form,) * len(FP32_ROW_BUCKETS)))
+    backends = [replace(FP32_CPU, name=form,
+                        linear=functools.partial(fp32_linear, forms=(form,) * len(FP32_ROW_BUCKETS)))
                 for form in FP32_FORMS]
     costs = _measured(model, "fp32-forms", backends, list(FP32_ROW_BUCKETS))
     forms = tuple(min(FP32_FORMS, key=lambda form: costs[form][rows]) for rows in FP32_ROW_BUCKETS)
@@ -225,6 +226,7 @@ def fp32_forms(model) -> tuple[str, ...]:
 def exact_is_affordable(model) -> bool:
     """Whether the exact bf16 forms cost at most EXACT_OVERHEAD more than plain forwards at
     AFFORDABILITY_ROWS rows on this machine (measured once, ~1 s for a 0.5B model; kept on disk)."""
-    measured = _measured(model, "exact-vs-plain-v2", [EXACT_BF16, plain_backend(model.dtype)], list(AFFORDABILITY_ROWS))
+    measured = _measured(model, "exact-vs-plain-v2", [EXACT_BF16, plain_backend(model.dtype)],
+                         list(AFFORDABILITY_ROWS))
     costs = {name: sum(per_rows.values()) for name, per_rows in measured.items()}
     return costs[EXACT_BF16.name] <= (1 + EXACT_OVERHEAD) * costs[PLAIN.name]

@@ -81,7 +81,8 @@ FP32_FORMS = ("plain", "columns", "packed")
 FP32_ROW_BUCKETS = (1, 2, 4, 8, 16, 32)  # a forward of r rows takes the form of the first bucket >= r
 
 
-def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int, forms: tuple[str, ...] | None = None) -> torch.Tensor:
+def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int,
+                forms: tuple[str, ...] | None = None) -> torch.Tensor:
     """x (1, rows, in) -> (1, rows, out) in the form `forms` names for the row count (one per
     FP32_ROW_BUCKETS; None: "columns" for 2-4 rows, else "packed"). Without oneDNN, "packed" is
     `F.linear` for one row or a prefill and "columns" for draft rows."""

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, Union
 
 from specsuite.apps.limits import Deadline, InputError, check_k, check_limit, check_text
-from specsuite.core import (DraftModelDrafter, Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece,
-                            eos_token_ids, generate, stream)
+from specsuite.core import (
+    DraftModelDrafter, Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece, eos_token_ids,
+    generate, stream,
+)
 from specsuite.core.batch_server import BatchServer
 from specsuite.core.draft import FallbackDrafter
 from specsuite.core.engine import BatchEngine, Request
