@@ -68,6 +68,11 @@ def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, mon
     path.write_text(json.dumps({"seconds": {form: {str(r): 0.5 if fastest[r] == form else 1.0 for r in FP32_ROW_BUCKETS}
                                             for form in FP32_FORMS}}))
     assert fp32_forms(model) == tuple(fastest[r] for r in FP32_ROW_BUCKETS)
+    path.write_text(json.dumps({"seconds": {form: {"1": 1.0} for form in FP32_FORMS}}))  # other row counts
+    assert len(fp32_forms(model)) == len(FP32_ROW_BUCKETS)  # measured again
+    assert set(json.loads(path.read_text())["seconds"]["plain"]) == {str(r) for r in FP32_ROW_BUCKETS}
+    path.write_text(json.dumps({"seconds": {form: {str(r): 0.5 if fastest[r] == form else 1.0 for r in FP32_ROW_BUCKETS}
+                                            for form in FP32_FORMS}}))
     backend = use_backend(model, "auto")
     assert backend.name == "fp32-cpu" and backend.linear.keywords["forms"] == fp32_forms(model)
     for i, p in enumerate(prompts(4, seed=23, lengths=(3, 100))):
