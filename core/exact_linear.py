@@ -73,24 +73,22 @@ def bf16_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int) -> torch.Tens
 
 
 # The fp32 kernel forms: torch's `F.linear`, `weight @ x.T` in padded column calls (`fp32_rows`),
-# oneDNN on packed weights. Which is fastest for a row count depends on the CPU and the model: on an
-# AVX2-only CPU (Qwen2.5-0.5B) "columns" for 2-4 rows and "packed" otherwise (the default); on an
-# AMX CPU with Qwen2.5-1.5B, `F.linear` for 1-2 rows (295/303 ms a forward against 320/566) and
-# "packed" from 5 rows (359 ms at 5 rows against 581). `backend.fp32_forms` measures the choice.
+# oneDNN on packed weights. Which is fastest for a row count depends on the CPU and the model:
+# `backend.fp32_forms` measures it. On an AVX2-only CPU (Qwen2.5-0.5B) "columns" for 2-4 rows and
+# "packed" otherwise (FP32_DEFAULT_FORMS); on an AMX CPU with Qwen2.5-1.5B, "plain" for 1-2 rows and
+# "packed" from 3 (4 rows: 306 ms a forward packed, 542 plain, 520 columns).
 FP32_FORMS = ("plain", "columns", "packed")
 FP32_ROW_BUCKETS = (1, 2, 4, 8, 16, 32)  # a forward of r rows takes the form of the first bucket >= r
+FP32_DEFAULT_FORMS = ("packed", "columns", "columns", "packed", "packed", "packed")
 
 
 def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int,
-                forms: tuple[str, ...] | None = None) -> torch.Tensor:
+                forms: tuple[str, ...] = FP32_DEFAULT_FORMS) -> torch.Tensor:
     """x (1, rows, in) -> (1, rows, out) in the form `forms` names for the row count (one per
-    FP32_ROW_BUCKETS; None: "columns" for 2-4 rows, else "packed"). Without oneDNN, "packed" is
-    `F.linear` for one row or a prefill and "columns" for draft rows."""
+    FP32_ROW_BUCKETS). Without oneDNN, "packed" is `F.linear` for one row or a prefill and
+    "columns" for draft rows."""
     rows = x.shape[1]
-    if forms is None:
-        form = "columns" if 2 <= rows <= 4 else "packed"
-    else:
-        form = forms[next((i for i, b in enumerate(FP32_ROW_BUCKETS) if rows <= b), len(FP32_ROW_BUCKETS) - 1)]
+    form = forms[next((i for i, b in enumerate(FP32_ROW_BUCKETS) if rows <= b), len(FP32_ROW_BUCKETS) - 1)]
     if form == "packed" and not ONEDNN:
         form = "plain" if rows == 1 or block >= rows else "columns"
     if form == "columns":

@@ -7,7 +7,6 @@ choice of "auto" in bf16 is checked against cost files written here, not against
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from specsuite.core.backend import (
     EXACT_BF16, FP32_CPU, PLAIN, backend_for, choose_backend, exact_is_affordable, fp32_forms, use_backend,
 )
 from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS
-from specsuite.core.draft_budget import cost_file
+from specsuite.core.draft_budget import StepCost, cost_file
 from specsuite.core.models import load_model
 from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
@@ -45,12 +44,13 @@ def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monk
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
     model = tiny_model("qwen2").to(torch.bfloat16)
-    path = cost_file(model, measure="exact-vs-plain-v2")
-    assert not path.exists()
+    paths = {name: cost_file(model, measure=f"exact-vs-plain:{name}") for name in ("exact-bf16", "plain")}
+    assert not any(path.exists() for path in paths.values())
     exact_is_affordable(model)  # measured now (both forms, alternating) and kept
-    assert set(json.loads(path.read_text())["seconds"]) == {"exact-bf16", "plain"}
+    assert all(set(StepCost.load(path, [9, 17]).rows) == {9, 17} for path in paths.values())
     for exact_s, expected in ((1.10, EXACT_BF16), (2.0, None)):
-        path.write_text(json.dumps({"seconds": {"exact-bf16": {"9": exact_s, "17": exact_s}, "plain": {"9": 1.0, "17": 1.0}}}))
+        StepCost({9: exact_s, 17: exact_s}).save(paths["exact-bf16"])
+        StepCost({9: 1.0, 17: 1.0}).save(paths["plain"])
         chosen = choose_backend(model)
         assert chosen is expected if expected else chosen.name == "plain"
 
@@ -61,18 +61,21 @@ def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, mon
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
     model = tiny_model("qwen2", max_positions=512)
-    path = cost_file(model, measure="fp32-forms")
-    assert len(fp32_forms(model)) == len(FP32_ROW_BUCKETS) and path.exists()
-    assert set(json.loads(path.read_text())["seconds"]) == set(FP32_FORMS)
+    paths = {form: cost_file(model, measure=f"fp32-forms:{form}") for form in FP32_FORMS}
+    assert len(fp32_forms(model)) == len(FP32_ROW_BUCKETS)
+    assert all(StepCost.load(path, list(FP32_ROW_BUCKETS)) is not None for path in paths.values())  # every form kept
     fastest = {1: "plain", 2: "plain", 4: "columns", 8: "packed", 16: "packed", 32: "plain"}
-    path.write_text(json.dumps({"seconds": {form: {str(r): 0.5 if fastest[r] == form else 1.0 for r in FP32_ROW_BUCKETS}
-                                            for form in FP32_FORMS}}))
+
+    def write_fastest() -> None:
+        for form, path in paths.items():
+            StepCost({r: 0.5 if fastest[r] == form else 1.0 for r in FP32_ROW_BUCKETS}).save(path)
+
+    write_fastest()
     assert fp32_forms(model) == tuple(fastest[r] for r in FP32_ROW_BUCKETS)
-    path.write_text(json.dumps({"seconds": {form: {"1": 1.0} for form in FP32_FORMS}}))  # other row counts
+    StepCost({1: 1.0}).save(paths["plain"])  # other row counts
     assert len(fp32_forms(model)) == len(FP32_ROW_BUCKETS)  # measured again
-    assert set(json.loads(path.read_text())["seconds"]["plain"]) == {str(r) for r in FP32_ROW_BUCKETS}
-    path.write_text(json.dumps({"seconds": {form: {str(r): 0.5 if fastest[r] == form else 1.0 for r in FP32_ROW_BUCKETS}
-                                            for form in FP32_FORMS}}))
+    assert StepCost.load(paths["plain"], list(FP32_ROW_BUCKETS)) is not None
+    write_fastest()
     backend = use_backend(model, "auto")
     assert backend.name == "fp32-cpu" and backend.linear.keywords["forms"] == fp32_forms(model)
     for i, p in enumerate(prompts(4, seed=23, lengths=(3, 100))):
