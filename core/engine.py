@@ -18,8 +18,13 @@ rejected draft simply overwritten by the next step, as gpt-fast does). One step:
 5. retire finished sequences; their slots take the next requests.
 
 Greedy output equals each sequence's own greedy decoding up to the rounding of different row
-counts (a near-tie may flip, as in HF's batched `generate()`); `generate()` remains the exact
-one-sequence path. Llama-family models (Llama, Qwen2) with full attention.
+counts (a near-tie may flip, as in HF's batched `generate()`). Llama-family models (Llama, Qwen2)
+with full attention.
+
+`run` is the one decoding loop of the project: `generate()` runs it with one sequence whose KV is
+the model's own cache, each forward computed by the model's backend (`core.backend`: bit for bit
+plain greedy decoding's rounding; any architecture), by overriding the three store methods
+(`_admit_kv`, `_forward`, `_keep`).
 """
 
 from __future__ import annotations
@@ -28,54 +33,26 @@ import itertools
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from . import decoder_forward
-from .draft import Draft, Drafter, NoDrafter, propose_within
+from .draft import Draft
 from .draft_budget import DraftBudget, StepCost, cost_file
 from .backend import backend_for
-from .generate import Generation, GenerationStats, StepCallback, context_length, eos_end, eos_token_ids
-from .verify import Sampling, top_two, tree_attention_mask, verify_greedy, verify_sample, warp
+from .sequence import Generation, Request, Sequence, context_length, eos_token_ids
+from .verify import top_two, tree_attention_mask
 
 
 @dataclass
-class Request:
-    """One sequence to decode. `drafter` None: no drafts for it."""
+class _Rows:
+    """What a forward needs of a sequence: its cached length and the fresh tokens after it."""
 
-    prompt: list[int]
-    drafter: Drafter | None = None
-    max_new_tokens: int = 256
-    sampling: Sampling | None = None
-    generator: torch.Generator | None = None
-    on_step: StepCallback | None = None  # after each step: its new tokens, and which came from the draft
-
-
-@dataclass
-class _Slot:
-    """A sequence in flight. The cache holds `length` tokens; `fresh` follow them (the last one is
-    the root of the next draft)."""
-
-    index: int  # the request's number in the input
-    request: Request
-    drafter: Drafter
-    eos: set[int]
     length: int
     fresh: list[int]
-    seq: list[int]
-    new: list[int] = field(default_factory=list)
-    from_draft: list[bool] = field(default_factory=list)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    start: float = 0.0
-    accepted: int = 0  # drafted tokens accepted / offered so far, for the draft budget
-    offered: int = 0
-
-    @property
-    def room(self) -> int:
-        return self.request.max_new_tokens - len(self.new)
 
 
 def engine_supports(model) -> bool:
@@ -100,30 +77,35 @@ class BatchEngine:
         if not engine_supports(model):
             raise ValueError(f"the batched engine runs Llama-family decoders with full attention, not "
                              f"{model.config.model_type!r} ({model.config._attn_implementation})")
-        self.model, self.batch_size, self.kv_budget_bytes = model, batch_size, kv_budget_bytes
-        if eos_token_id is None:
-            self.eos = eos_token_ids(model)
-        else:
-            self.eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        self._start(model, batch_size, eos_token_id)
+        self.kv_budget_bytes = kv_budget_bytes
         config = model.config
         self.layers = model.model.layers[: config.num_hidden_layers]
         attn = self.layers[0].self_attn
         self.kv_heads = config.num_key_value_heads
         self.head_dim = attn.head_dim
-        self.context = context_length(model)
-        self.vocab = model.get_output_embeddings().weight.shape[0]
         self.token_bytes = 2 * len(self.layers) * self.kv_heads * self.head_dim * model.dtype.itemsize
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.forward_passes = 0
-        self._in_flight = 0
         self.prefix: list[int] = []
         self.prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         if prefix:
             self._compute_prefix(list(prefix))
-        self.budget = None
         if draft_budget:
             self.budget = DraftBudget(cost or self.measure_step_cost())
+
+    def _start(self, model, batch_size: int, eos_token_id: int | Iterable[int] | None) -> None:
+        """What the loop (`run`) needs, whatever the store."""
+        self.model, self.batch_size = model, batch_size
+        if eos_token_id is None:
+            self.eos = eos_token_ids(model)
+        else:
+            self.eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        self.context = context_length(model)
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.forward_passes = 0
+        self._in_flight = 0
+        self.budget: DraftBudget | None = None
 
     def measure_step_cost(self, rows: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), reps: int = 3,
                           cache_dir: str | Path | None = None) -> StepCost:
@@ -146,8 +128,7 @@ class BatchEngine:
                 for k in range(count):
                     per = r // count + (k < r % count)  # rows of this slot
                     ids = torch.randint(0, vocab, (context + per,), generator=gen).tolist()
-                    slots.append(_Slot(-1, Request(ids), NoDrafter(), set(), length=context,
-                                       fresh=ids[context:context + 1], seq=ids))
+                    slots.append(_Rows(context, ids[context:context + 1]))
                     drafts.append(Draft.chain(ids[context + 1:]) if per > 1 else None)
                 t0 = time.perf_counter()
                 self._step_forward(slots, drafts)
@@ -186,8 +167,7 @@ class BatchEngine:
         # instruction in a 55-row call, 47 with 128 rows, 48 without a shared prefix).
         rows = prefix + (prefix * PREFIX_ROWS)[: max(0, PREFIX_ROWS - len(prefix))]
         self._ensure(1, len(rows) + 1)
-        slot = _Slot(-1, Request(rows), NoDrafter(), set(), length=0, fresh=rows, seq=rows)
-        self._step_forward([slot], [None], logits_rows=1)
+        self._step_forward([_Rows(0, rows)], [None], logits_rows=1)
         self.prefix = prefix
         self.prefix_kv = [(k[0, :, : len(prefix)].clone(), v[0, :, : len(prefix)].clone())
                           for k, v in zip(self.keys, self.values)]
@@ -195,7 +175,7 @@ class BatchEngine:
     # ---- one forward over all slots --------------------------------------------------------
 
     @torch.inference_mode()
-    def _step_forward(self, slots: list[_Slot], drafts: list[Draft | None], logits_rows: int | None = None,
+    def _step_forward(self, slots: list[_Rows | Sequence], drafts: list[Draft | None], logits_rows: int | None = None,
                       where: list[int] | None = None) -> torch.Tensor:
         """One forward over every slot's [fresh tokens, draft nodes]. `where[i]`: the cache slot of
         `slots[i]` (default i). Returns the logits, slot after slot, of its root (last fresh
@@ -254,7 +234,6 @@ class BatchEngine:
                 x = x + attn.o_proj(out[None])
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             logits = model.lm_head(body.norm(x[:, to_dev(torch.tensor(wanted))]))[0]
-        self.forward_passes += 1
         return logits
 
     # ---- decoding --------------------------------------------------------------------------
@@ -268,7 +247,7 @@ class BatchEngine:
         source should block until it has a request)."""
         source = iter(requests)
         self._in_flight = 0  # one run at a time per engine; an abandoned run's slots are gone
-        slots: list[_Slot | None] = []
+        slots: list[Sequence | None] = []
         held: Request | None = None  # read, but over the KV budget: admitted once a slot frees
         count = 0  # requests read
         open_ = True
@@ -300,7 +279,7 @@ class BatchEngine:
                 drafts: list[Draft | None] = []
                 for i in active:
                     try:
-                        drafts.append(self._propose(slots[i]))
+                        drafts.append(slots[i].propose(self.vocab))
                     except Exception as e:  # noqa: BLE001
                         yield from self._retire(slots, i, e)
                         drafts.append(None)
@@ -314,35 +293,37 @@ class BatchEngine:
                     drafts = [None if d is None or cap == 0 else d.limit_size(cap) for d in drafts]
                 # 3. one forward, 4. verify and commit
                 t0 = time.perf_counter()
-                logits = self._step_forward(live, drafts, where=active)
+                logits = self._forward(live, drafts, active)
+                self.forward_passes += 1
                 sizes = [1 + (len(d) if d is not None else 0) for d in drafts]
                 best = top_two(logits)[0].tolist()  # every row's argmax in one call (greedy verification)
-                for i, slot, draft, rows, first in zip(active, live, drafts, logits.split(sizes),
-                                                       itertools.accumulate([0, *sizes])):
+                for i, seq, draft, rows, first in zip(active, live, drafts, logits.split(sizes),
+                                                      itertools.accumulate([0, *sizes])):
                     try:
-                        finished = self._commit(slot, draft, rows, best[first: first + len(rows)], i,
-                                                time.perf_counter() - t0)
+                        base = seq.length + len(seq.fresh)  # the store's index of draft node 0
+                        prefill = seq.prefilling
+                        path = seq.settle(draft, rows, best[first: first + len(rows)], self.plain_steps,
+                                          time.perf_counter() - t0)
+                        self._keep(i, seq, base, path or [], prefill and path is not None)
                     except Exception as e:  # noqa: BLE001 - e.g. on_step ended it (a time budget, a closed stream)
                         yield from self._retire(slots, i, e)
                         continue
-                    if finished:  # 5. retire
-                        slot.stats.new_tokens = len(slot.new)
-                        slot.stats.total_s = time.perf_counter() - slot.start
-                        yield from self._retire(slots, i, Generation(slot.new, slot.from_draft, finished, slot.stats))
+                    if seq.finish is not None:  # 5. retire
+                        yield from self._retire(slots, i, seq.result())
 
     @property
     def in_flight(self) -> int:
         """Sequences decoding now."""
         return self._in_flight
 
-    def _retire(self, slots: list[_Slot | None], i: int, result: Generation | Exception):
+    def _retire(self, slots: list[Sequence | None], i: int, result: Generation | Exception):
         index = slots[i].index
         slots[i] = None
         self._in_flight -= 1
         yield index, result
 
-    def _admit(self, index: int, request: Request, slots: list[_Slot | None]) -> bool:
-        """Put `request` into a free slot; False where the KV budget has no room for it now."""
+    def _admit(self, index: int, request: Request, slots: list[Sequence | None]) -> bool:
+        """Put `request` into a free slot; False where the store has no room for it now."""
         prompt = list(request.prompt)
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -350,88 +331,54 @@ class BatchEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         if len(prompt) >= self.context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.context}")
-        max_new = min(request.max_new_tokens, self.context - len(prompt))
-        need = len(prompt) + max_new + 64  # room for the last step's draft rows
         free = next((i for i, s in enumerate(slots) if s is None), len(slots))
-        in_use = max(len(slots), free + 1)
+        cached = self._admit_kv(free, prompt, min(request.max_new_tokens, self.context - len(prompt)), len(slots))
+        if cached is None:
+            return False
+        seq = Sequence(index, request, self.eos, self.context, cached, self.backend_name)
+        if free == len(slots):
+            slots.append(seq)
+        else:
+            slots[free] = seq
+        self._in_flight += 1
+        return True
+
+    # ---- the store: the preallocated cache -------------------------------------------------
+
+    backend_name = "batch"
+    plain_steps = False  # no row is computed as plain one-token decoding computes it
+
+    def _admit_kv(self, slot: int, prompt: list[int], max_new: int, slots: int) -> int | None:
+        """Make room for a sequence in cache slot `slot` (of `slots` made so far) and copy the
+        shared prefix's KV into it; returns how many prompt tokens it holds, None where the KV
+        budget has no room now."""
+        need = len(prompt) + max_new + 64  # room for the last step's draft rows
+        in_use = max(slots, slot + 1)
         have_p = self.keys[0].shape[2] if self.keys else 0
         if in_use * max(need, have_p) * self.token_bytes > self.kv_budget_bytes:
             if self.in_flight:
-                return False
+                return None
             raise ValueError(f"a sequence of {need} tokens does not fit the KV budget of {self.kv_budget_bytes} bytes")
         self._ensure(in_use, need)
         cached = len(self.prefix) if len(prompt) > len(self.prefix) and prompt[: len(self.prefix)] == self.prefix else 0
         for (k, v), keys, values in zip(self.prefix_kv if cached else [], self.keys, self.values):
-            keys[free, :, :cached] = k
-            values[free, :, :cached] = v
-        drafter = request.drafter or NoDrafter()
-        drafter.reset(prompt, request.sampling)
-        slot = _Slot(index, Request(prompt, drafter, max_new, request.sampling, request.generator, request.on_step), drafter,
-                     self.eos, length=cached, fresh=prompt[cached:], seq=list(prompt),
-                     stats=GenerationStats(prompt_tokens=len(prompt), cached_prompt_tokens=cached,
-                                            backend="batch"),
-                     start=time.perf_counter())
-        if free == len(slots):
-            slots.append(slot)
-        else:
-            slots[free] = slot
-        self._in_flight += 1
-        return True
+            keys[slot, :, :cached] = k
+            values[slot, :, :cached] = v
+        return cached
 
-    def _propose(self, slot: _Slot) -> Draft | None:
-        return propose_within(slot.drafter, slot.seq, slot.room, self.vocab)
+    def _forward(self, seqs: list[Sequence], drafts: list[Draft | None], slots: list[int]) -> torch.Tensor:
+        """One forward over every sequence's [fresh tokens, draft nodes]: (rows, vocab) logits."""
+        return self._step_forward(seqs, drafts, where=slots)
 
-    def _commit(self, slot: _Slot, draft: Draft | None, logits: torch.Tensor, best: list[int], cache_slot: int,
-                step_s: float) -> str | None:
-        """Verify the slot's draft against its `logits` rows (`best`: their argmax), keep the
-        accepted path's KV, append the new tokens. Returns the finish reason, or None while the
-        sequence goes on."""
-        sampling = slot.request.sampling
-        if draft is None:
-            path = []
-            if sampling is None:
-                nxt = best[0]
-            else:
-                nxt = int(torch.multinomial(warp(logits[:1], sampling)[0], 1, generator=slot.request.generator))
-        elif sampling is None:
-            path, nxt = verify_greedy(draft, logits, best=best)
-        else:
-            path, nxt = verify_sample(draft, logits, sampling, slot.request.generator)
-        base = slot.length + len(slot.fresh)  # cache index of draft node 0
+    def _keep(self, slot: int, seq: Sequence, base: int, path: list[int], prefilled: bool) -> None:
+        """After a step: the accepted `path`'s KV (written from `base` on) is kept at `base`.. (a
+        rejected draft is overwritten by the next step)."""
         if path != list(range(len(path))):  # a tree path: move its nodes' KV behind the fresh tokens
             src = torch.tensor([base + p for p in path], device=self.model.device)
             dst = torch.arange(base, base + len(path), device=self.model.device)
             for store in (self.keys, self.values):
                 for layer in store:
-                    layer[cache_slot, :, dst] = layer[cache_slot, :, src]
-        n = len(draft) if draft is not None else 0
-        prefill = not slot.new
-        slot.length = base + len(path)
-        slot.stats.forward_passes += 1
-        slot.stats.drafted.append(n)
-        slot.stats.accepted.append(len(path))
-        if prefill:
-            slot.stats.prefill_s = time.perf_counter() - slot.start
-        else:
-            slot.stats.verify_s += step_s
-        if n:
-            slot.offered += min(n, max(draft.depths))
-            slot.accepted += len(path)
-        slot.drafter.update(draft, path)
-        step = [draft.tokens[i] for i in path] + [nxt]
-        flags = [True] * len(path) + [False]
-        finish = None
-        if (end := eos_end(step, slot.eos)) is not None:
-            step, flags, finish = step[:end], flags[:end], "eos"
-        slot.seq += step
-        slot.new += step
-        slot.from_draft += flags
-        slot.fresh = [nxt]
-        if slot.request.on_step is not None:
-            slot.request.on_step(step, flags)
-        if finish is None and slot.room <= 0:
-            finish = "length" if len(slot.seq) < self.context else "context"
-        return finish
+                    layer[slot, :, dst] = layer[slot, :, src]
 
 
 _END = object()

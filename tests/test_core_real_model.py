@@ -116,6 +116,24 @@ def test_stop_strings_cut_where_hf_cuts(lm, cases):
     assert out.tokens == ref and out.finish_reason != "stop_string"
 
 
+def test_the_batched_engine_cuts_at_stop_strings_as_generate_does(smollm2_fp32):
+    """Stop strings per request in one batch (fp32: a batch's rows round within the tie margin
+    of one-row steps here, so each output is generate()'s)."""
+    from specsuite.core.engine import BatchEngine, Request
+
+    model, tok = smollm2_fp32
+    eos = sorted(eos_token_ids(model, tok))
+    asks = [(0, ["fox"]), (3, ["5, 6"]), (2, ["qqqq"]), (3, [","])]
+    ids = [chat_prompt_ids(tok, *PROMPTS[i]) for i, _ in asks]
+    requests = [Request(p, PromptLookupDrafter(), max_new_tokens=MAX_NEW, stop_strings=stops, tokenizer=tok)
+                for p, (_, stops) in zip(ids, asks)]
+    results = dict(BatchEngine(model, 4, eos_token_id=eos, draft_budget=False).run(requests))
+    for k, (p, (_, stops)) in enumerate(zip(ids, asks)):
+        alone = generate(model, p, PromptLookupDrafter(), max_new_tokens=MAX_NEW, stop_strings=stops, tokenizer=tok)
+        assert results[k].tokens == alone.tokens and results[k].finish_reason == alone.finish_reason, stops
+    assert [results[k].finish_reason for k in range(4)].count("stop_string") == 3
+
+
 @pytest.mark.xfail(strict=True, reason="HF also matches stop strings that begin in the prompt; specsuite "
                                        "searches the generated text only (reported, not decided here)")
 def test_stop_string_spanning_the_prompt_boundary_like_hf(lm, cases):

@@ -31,7 +31,7 @@ from specsuite.core import Draft, DraftModelDrafter, Drafter, Sampling, generate
 from specsuite.core.exact_attention import NAME as EXACT
 from specsuite.core.verify import verify_sample, warp
 
-gen_mod = importlib.import_module("specsuite.core.generate")
+steps_mod = importlib.import_module("specsuite.core.sequence")  # where the loop verifies each step
 
 V = 8
 PROMPT = [3, 1, 4, 1, 5, 2, 6, 5]
@@ -377,6 +377,6 @@ def test_negative_control_a_wrong_sampler_in_the_loop_is_caught(model, monkeypat
     first = exact.sum(1)
     x = int((first * (1 - first)).argmax())  # no_residual over-samples the drafted x by p(x)(1 - p(x))
     draft = Draft.chain([x, int(exact[x].argmax())])
-    monkeypatch.setattr(gen_mod, "verify_sample", no_residual)
+    monkeypatch.setattr(steps_mod, "verify_sample", no_residual)
     counts, _ = run_many(model, lambda: FixedDrafter(draft), sampling, 600, seed=6)
     assert_differs(counts, exact)
