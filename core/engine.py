@@ -144,7 +144,8 @@ class BatchEngine:
     def _ensure(self, slots: int, positions: int) -> None:
         """Grow the cache to at least `slots` slots of `positions` positions (kept contents).
         Both grow by doubling (slots up to the batch size and the KV budget): each growth copies
-        the whole cache, and one slot at a time cost a job ~7% of its time (64 JFLEG sentences)."""
+        the whole cache, and growing one slot at a time took 0.74 s of an 11.5 s job (64 JFLEG
+        sentences, batch 32, profiled)."""
         have_s = self.keys[0].shape[0] if self.keys else 0
         have_p = self.keys[0].shape[2] if self.keys else 0
         if slots <= have_s and positions <= have_p:
