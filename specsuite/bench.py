@@ -316,9 +316,11 @@ def _cmd_gec_batch(args: argparse.Namespace, data: Path) -> int:
         print("error: --batch-sizes takes sizes >= 1, e.g. 1,8,16,32", file=sys.stderr)
         return 2
     report = run_gec_batch(args.model, data, args.n, sizes, args.max_new_tokens, args.dtype,
-                           [Path(r) for r in args.refs or []], args.methods.split(",") if args.methods else None)
+                           [Path(r) for r in args.refs or []], args.methods.split(",") if args.methods else None,
+                           args.rounds)
     print(f"\ngec-batch · {args.model} ({report['dtype']}) · n={report['n']} · max_new_tokens={args.max_new_tokens} · "
-          f"{report['torch_threads']} threads · spec_batch = batch size {report['default_batch_size']}")
+          f"{report['torch_threads']} threads · spec_batch = batch size {report['default_batch_size']} · "
+          f"mean of {report['rounds']} alternated round(s)")
     print(format_batch_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -348,6 +350,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gec: our methods compute the shared instruction for every sentence, as HF's do")
     p.add_argument("--batch-sizes", default="1,8,16,32", help="gec-batch: the batch sizes of HF generate() and of "
                    "the engine (default 1,8,16,32)")
+    p.add_argument("--rounds", type=int, default=3, help="gec-batch: rounds over all methods, their order rotated "
+                   "each round; a method's time is its mean (hf_greedy_bs1, the reference, runs once)")
     p.add_argument("--refs", nargs="+", help="gec-batch: reference files line-aligned with --data, for GLEU")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a chart here (needs matplotlib): speedups; gec-batch: sentences/s by batch size")

@@ -8,7 +8,11 @@ time with the copy drafter and the instruction's KV reused, as `--exact`), `spec
 engine at `Corrector`'s default batch size), `spec_batch_bs{B}`, and `gec_job`: what `specsuite gec
 correct FILE -o OUT.jsonl` does after loading the model (the resumable batch job, `Corrector` on the
 engine, records written and flushed line by line), on a file of the same sentences. Each method runs
-once on a few sentences first (kernel selection, allocation), then on all of them.
+once on a few sentences first (kernel selection, allocation), then on all of them in `rounds`
+rounds, the order of the methods rotated each round, so that the drift of a shared machine over
+minutes (seen here: 1.3x between two runs of the same method ten minutes apart) falls on every
+method alike; a method's time is its mean over the rounds. `hf_greedy_bs1`, the slowest, is the
+reference for the outputs and runs in the first round only.
 """
 
 from __future__ import annotations
@@ -51,8 +55,11 @@ def _hf_batches(model, prompts: list[list[int]], batch_size: int, max_new_tokens
 
 
 def run_gec_batch(model_name: str, data: Path, n: int, batch_sizes: list[int], max_new_tokens: int = 128,
-                  dtype: str | None = None, refs: list[Path] | None = None, methods: list[str] | None = None) -> dict:
+                  dtype: str | None = None, refs: list[Path] | None = None, methods: list[str] | None = None,
+                  rounds: int = 1) -> dict:
     """The report of every method on the first `n` sentences of `data` (see the module docstring)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     model, tok = load_model(model_name, dtype=dtype)
     eos = sorted(eos_token_ids(model, tok))
     end = [turn_end_token(model, tok)]
@@ -109,14 +116,23 @@ def run_gec_batch(model_name: str, data: Path, n: int, batch_sizes: list[int], m
     everything = list(range(len(sources)))
     results: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
-    for name, run in runners.items():
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for run in runners.values():
         run(everything[:WARMUP])
-        start = time.perf_counter()
-        outputs[name] = run(everything)
-        seconds = time.perf_counter() - start
+    names = list(runners)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            if r and name == "hf_greedy_bs1":
+                continue
+            start = time.perf_counter()
+            outputs[name] = runners[name](everything)
+            times[name].append(time.perf_counter() - start)
+    for name in names:
+        seconds = sum(times[name]) / len(times[name])
         tokens = sum(map(len, outputs[name]))
-        results[name] = {"total_s": round(seconds, 3), "new_tokens": tokens,
-                         "sentences_per_s": round(len(sources) / seconds, 3), "tokens_per_s": round(tokens / seconds, 2)}
+        results[name] = {"total_s": round(seconds, 3), "round_s": [round(t, 3) for t in times[name]],
+                         "new_tokens": tokens, "sentences_per_s": round(len(sources) / seconds, 3),
+                         "tokens_per_s": round(tokens / seconds, 2)}
         if references:
             hyps = [jfleg_tokens(tok.decode(t, skip_special_tokens=True).strip()) for t in outputs[name]]
             results[name]["gleu"] = round(corpus_gleu(src_tokens, [list(r) for r in zip(*references)], hyps).mean * 100, 2)
@@ -130,7 +146,7 @@ def run_gec_batch(model_name: str, data: Path, n: int, batch_sizes: list[int], m
         f["speedup_vs_best_hf_batch"] = round(f["sentences_per_s"] / best_hf, 3) if best_hf else None
     return {"task": "gec-batch", "model": model_name, "n": len(sources), "max_new_tokens": max_new_tokens,
             "dtype": str(model.dtype).replace("torch.", ""), "torch_threads": torch.get_num_threads(),
-            "default_batch_size": DEFAULT_BATCH_SIZE, "methods": results}
+            "default_batch_size": DEFAULT_BATCH_SIZE, "rounds": rounds, "methods": results}
 
 
 def format_batch_table(report: dict) -> str:

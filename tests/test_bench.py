@@ -31,3 +31,27 @@ def test_gec_bench_compares_the_copy_drafter_with_hf_greedy(smollm2_fp32, jfleg,
     assert 0 < ours["forwards_per_token"] <= 1.0 and ours["total_s"] > 0
     assert "spec_copy" in bench.format_table(report)
     assert "forward" not in vars(smollm2_fp32[0])  # the forward counter is gone with the run
+
+
+def test_gec_batch_bench_alternates_rounds_and_compares_with_the_best_hf_batch(smollm2_fp32, jfleg, monkeypatch):
+    """`bench gec-batch`: every method but the reference runs once per round (in a rotated order),
+    its time is the mean of its rounds, and the speedups are against the best HF batch size."""
+    from specsuite import bench_batch
+
+    monkeypatch.setattr(bench_batch, "load_model", lambda name, dtype=None: smollm2_fp32)
+    refs = [jfleg.with_name("dev.ref0")] if jfleg.with_name("dev.ref0").exists() else []
+    report = bench_batch.run_gec_batch("smollm2-135m", jfleg, n=5, batch_sizes=[2], max_new_tokens=12,
+                                       refs=refs, methods=["hf_greedy_bs2", "spec_batch", "gec_job"], rounds=2)
+    methods = report["methods"]
+    assert report["rounds"] == 2 and set(methods) == {"hf_greedy_bs1", "hf_greedy_bs2", "spec_batch", "gec_job"}
+    assert len(methods["hf_greedy_bs1"]["round_s"]) == 1  # the reference runs once
+    for name in ("hf_greedy_bs2", "spec_batch", "gec_job"):
+        f = methods[name]
+        assert len(f["round_s"]) == 2 and f["total_s"] == pytest.approx(sum(f["round_s"]) / 2, abs=2e-3)
+        assert f["speedup_vs_best_hf_batch"] == pytest.approx(
+            f["sentences_per_s"] / methods["hf_greedy_bs2"]["sentences_per_s"], rel=1e-2)
+        assert 0.0 <= f["identical_to_greedy"] <= 1.0 and f["new_tokens"] > 0
+        assert ("gleu" in f) == bool(refs)
+    assert methods["hf_greedy_bs1"]["identical_to_greedy"] == 1.0
+    with pytest.raises(ValueError, match="rounds"):
+        bench_batch.run_gec_batch("smollm2-135m", jfleg, n=5, batch_sizes=[2], rounds=0)
