@@ -153,7 +153,7 @@ class Sequence:
         self.max_new_tokens = min(request.max_new_tokens, context - len(prompt))
         self.tie_margin = 0.0 if request.sampling is not None else request.tie_margin
         self.ladder = SizeLadder(request.draft_sizes) if request.draft_sizes else None
-        self.length, self.cached = cached, cached
+        self.length = cached
         self.fresh, self.seq = prompt[cached:], list(prompt)
         self.new: list[int] = []
         self.from_draft: list[bool] = []
@@ -193,7 +193,7 @@ class Sequence:
         self.stats.forward_passes += 1
         if self.unsure(logits, draft, plain_steps):
             if self.prefilling:  # the next forward is the whole prompt, as plain decoding prefills it
-                self.length, self.cached, self.fresh = 0, 0, list(self.prompt)
+                self.length, self.fresh = 0, list(self.prompt)
                 self.stats.cached_prompt_tokens = 0
                 self.redo = True
                 return None
@@ -217,7 +217,7 @@ class Sequence:
         or on kernels that differ from it), ends on a near-tie and cannot be trusted."""
         if self.redo or self.tie_margin <= 0 or (draft is not None and not self.prefilling):
             return False  # a draft's rows are guarded by verify_greedy
-        if plain_steps and not (self.prefilling and self.cached > 0):
+        if plain_steps and not (self.prefilling and self.stats.cached_prompt_tokens > 0):
             return False
         _, first, second = top_two(logits[:1])
         return float(first[0] - second[0]) < self.tie_margin

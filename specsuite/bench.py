@@ -275,9 +275,10 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.task == "rag-serve":
         from specsuite.bench_serve import format_serve, run_rag_serve
 
-        report = run_rag_serve(args.model, data, args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+        report = run_rag_serve(args.model, data, args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+                               rounds=args.rounds)
         print(f"\nrag-serve · {args.model} ({report['dtype']}) · {report['n']} questions · k={report['k']} · "
-              f"max_new_tokens={args.max_new_tokens}")
+              f"max_new_tokens={args.max_new_tokens} · mean of {report['rounds']} alternated round(s)")
         print(format_serve(report))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
@@ -350,8 +351,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gec: our methods compute the shared instruction for every sentence, as HF's do")
     p.add_argument("--batch-sizes", default="1,8,16,32", help="gec-batch: the batch sizes of HF generate() and of "
                    "the engine (default 1,8,16,32)")
-    p.add_argument("--rounds", type=int, default=3, help="gec-batch: rounds over all methods, their order rotated "
-                   "each round; a method's time is its mean (hf_greedy_bs1, the reference, runs once)")
+    p.add_argument("--rounds", type=int, default=3, help="gec-batch, rag-serve: rounds over all methods, their "
+                   "order rotated each round; a method's time is its mean (gec-batch's reference hf_greedy_bs1 runs once)")
     p.add_argument("--refs", nargs="+", help="gec-batch: reference files line-aligned with --data, for GLEU")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a chart here (needs matplotlib): speedups; gec-batch: sentences/s by batch size")

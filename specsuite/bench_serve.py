@@ -4,7 +4,10 @@ same N calls one after the other, on Spec-Bench RAG questions over their pooled 
 Two apps run in this process, on the same model: one answering one request at a time (`RagQA`
 batch size 1, the exact path: concurrent requests take turns) and one whose concurrent requests
 join one running batch (`BatchServer`, batch size N). Each is called through `gradio_client`, as a
-program would call it: the N questions sequentially, then all N at once.
+program would call it: the N questions sequentially, and all N at once. Both apps serve at once;
+the four runs (each app, sequential and concurrent) alternate in `rounds` rounds, their order
+rotated each round, and each figure is the mean of its rounds, so that the drift of a shared
+machine falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ def _serve(qa, k: int):
 
 
 def run_rag_serve(model_name: str, data: Path, n: int = 4, k: int = 5, max_new_tokens: int = 128,
-                  dtype: str | None = None) -> dict:
+                  dtype: str | None = None, rounds: int = 1) -> dict:
     from specsuite.apps.rag.qa import RagQA
     from specsuite.retrieval import Embedder, PassageIndex
     from specsuite.retrieval.evaluate import pool_specbench
     from specsuite.retrieval.specbench import load_specbench_rag
 
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     passages, questions, _ = pool_specbench(load_specbench_rag(data), source=str(data))
     questions = questions[:n]
     index = PassageIndex(Embedder(DEFAULT_EMBEDDING_MODEL))
@@ -50,32 +55,42 @@ def run_rag_serve(model_name: str, data: Path, n: int = 4, k: int = 5, max_new_t
             "batched": RagQA.from_loaded(model, tok, index, max_new_tokens=max_new_tokens, batch_size=n)}
     report: dict = {"task": "rag-serve", "model": model_name, "n": n, "k": k, "max_new_tokens": max_new_tokens,
                     "dtype": str(model.dtype).replace("torch.", ""), "torch_threads": torch.get_num_threads(),
-                    "apps": {}}
+                    "rounds": rounds, "apps": {}}
+    runs = [(name, mode) for name in apps for mode in ("sequential", "concurrent")]
+    times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
     answers: dict[str, list[str]] = {}
-    for name, qa in apps.items():
-        app, client = _serve(qa, k)
-        try:
-            ask = lambda q: client.predict(q, k, api_name="/ask")  # noqa: E731
+    tokens: dict[str, int] = {}
+    served = [_serve(qa, k) for qa in apps.values()]
+    try:
+        asks = {name: (lambda q, c=client: c.predict(q, k, api_name="/ask")) for name, (_, client) in zip(apps, served)}
+        for ask in asks.values():
             ask(questions[0])  # warm-up: kernels, the engine's step cost (measured once, then cached)
-            start = time.perf_counter()
-            sequential = [ask(q) for q in questions]
-            sequential_s = time.perf_counter() - start
-            start = time.perf_counter()
-            with ThreadPoolExecutor(n) as pool:
-                concurrent = list(pool.map(ask, questions))
-            concurrent_s = time.perf_counter() - start
-        finally:
+        for r in range(rounds):
+            for name, mode in runs[r % len(runs):] + runs[: r % len(runs)]:
+                start = time.perf_counter()
+                if mode == "sequential":
+                    out = [asks[name](q) for q in questions]
+                else:
+                    with ThreadPoolExecutor(n) as pool:
+                        out = list(pool.map(asks[name], questions))
+                times[(name, mode)].append(time.perf_counter() - start)
+                answers[f"{name}_{mode}"] = [a["answer"] for a in out]  # each round answers alike (greedy)
+                tokens[name] = sum(a["stats"]["new_tokens"] for a in out)
+    finally:
+        for app, _ in served:
             app.close()
-        answers[f"{name}_sequential"] = [a["answer"] for a in sequential]
-        answers[f"{name}_concurrent"] = [a["answer"] for a in concurrent]
-        report["apps"][name] = {"sequential_s": round(sequential_s, 3), "concurrent_s": round(concurrent_s, 3),
-                                "concurrent_speedup": round(sequential_s / concurrent_s, 3),
-                                "new_tokens": sum(a["stats"]["new_tokens"] for a in concurrent)}
+    mean = {run: sum(t) / len(t) for run, t in times.items()}
+    for name in apps:
+        seq, conc = mean[(name, "sequential")], mean[(name, "concurrent")]
+        report["apps"][name] = {"sequential_s": round(seq, 3), "concurrent_s": round(conc, 3),
+                                "concurrent_speedup": round(seq / conc, 3), "new_tokens": tokens[name],
+                                "round_s": {mode: [round(t, 3) for t in times[(name, mode)]]
+                                            for mode in ("sequential", "concurrent")}}
     base = answers["one_at_a_time_sequential"]
     report["identical_to_one_at_a_time"] = {key: round(sum(a == b for a, b in zip(v, base)) / n, 4)
                                             for key, v in answers.items()}
     report["batched_concurrent_vs_sequential"] = round(
-        report["apps"]["one_at_a_time"]["sequential_s"] / report["apps"]["batched"]["concurrent_s"], 3)
+        mean[("one_at_a_time", "sequential")] / mean[("batched", "concurrent")], 3)
     return report
 
 

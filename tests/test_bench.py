@@ -55,3 +55,27 @@ def test_gec_batch_bench_alternates_rounds_and_compares_with_the_best_hf_batch(s
     assert methods["hf_greedy_bs1"]["identical_to_greedy"] == 1.0
     with pytest.raises(ValueError, match="rounds"):
         bench_batch.run_gec_batch("smollm2-135m", jfleg, n=5, batch_sizes=[2], rounds=0)
+
+
+def test_rag_serve_bench_alternates_rounds_of_both_apps(smollm2_fp32, shared_data, monkeypatch):
+    """`bench rag-serve`: both apps serve at once, each of the four runs (app x sequential or
+    concurrent) once per round, figures the mean of their rounds; the answers equal one at a time's."""
+    from specsuite import bench_serve
+
+    data = shared_data / "specbench/rag_dev.jsonl"
+    if not data.exists():
+        pytest.skip(f"no Spec-Bench RAG data at {data}")
+    monkeypatch.setattr(bench_serve, "load_model", lambda name, dtype=None: smollm2_fp32)
+    report = bench_serve.run_rag_serve("smollm2-135m", data, n=2, max_new_tokens=8, rounds=2)
+    assert report["rounds"] == 2 and set(report["apps"]) == {"one_at_a_time", "batched"}
+    for f in report["apps"].values():
+        for mode in ("sequential", "concurrent"):
+            assert len(f["round_s"][mode]) == 2
+            assert f[f"{mode}_s"] == pytest.approx(sum(f["round_s"][mode]) / 2, abs=2e-3)
+        assert f["new_tokens"] > 0
+    assert report["batched_concurrent_vs_sequential"] == pytest.approx(
+        report["apps"]["one_at_a_time"]["sequential_s"] / report["apps"]["batched"]["concurrent_s"], rel=1e-2)
+    assert set(report["identical_to_one_at_a_time"].values()) == {1.0}  # fp32: the batch answers as one at a time
+    assert "concurrent" in bench_serve.format_serve(report)
+    with pytest.raises(ValueError, match="rounds"):
+        bench_serve.run_rag_serve("smollm2-135m", data, rounds=0)
