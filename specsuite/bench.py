@@ -266,6 +266,21 @@ def plot(report: dict, out: Path) -> None:
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    try:
+        return _run_cmd(args)
+    except ValueError as e:  # bad input found once the data or model is read: unknown methods, no prompts
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _run_cmd(args: argparse.Namespace) -> int:
     data = Path(args.data)
     if not data.exists():
         print(f"error: no such data file: {data}", file=sys.stderr)
@@ -337,7 +352,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "rag-serve: N concurrent calls of the RAG app's ask endpoint vs N sequential ones")
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
     p.add_argument("--data", required=True, help="gec: a text file, one sentence a line; rag/summarize: Spec-Bench jsonl")
-    p.add_argument("--n", type=int, default=10, help="number of prompts (default 10)")
+    p.add_argument("--n", type=_positive, default=10, help="number of prompts (default 10)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-model", help="a small model with the same tokenizer: adds hf_assisted and spec_draft_model")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
@@ -351,7 +366,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gec: our methods compute the shared instruction for every sentence, as HF's do")
     p.add_argument("--batch-sizes", default="1,8,16,32", help="gec-batch: the batch sizes of HF generate() and of "
                    "the engine (default 1,8,16,32)")
-    p.add_argument("--rounds", type=int, default=3, help="gec-batch, rag-serve: rounds over all methods, their "
+    p.add_argument("--rounds", type=_positive, default=3, help="gec-batch, rag-serve: rounds over all methods, their "
                    "order rotated each round; a method's time is its mean (gec-batch's reference hf_greedy_bs1 runs once)")
     p.add_argument("--refs", nargs="+", help="gec-batch: reference files line-aligned with --data, for GLEU")
     p.add_argument("--json", help="write the report as JSON here")

@@ -79,3 +79,12 @@ def test_rag_serve_bench_alternates_rounds_of_both_apps(smollm2_fp32, shared_dat
     assert "concurrent" in bench_serve.format_serve(report)
     with pytest.raises(ValueError, match="rounds"):
         bench_serve.run_rag_serve("smollm2-135m", data, rounds=0)
+
+
+def test_bench_command_refuses_bad_counts_before_loading_anything(jfleg, capsys):
+    from specsuite.cli import main
+
+    for flag in ("--rounds", "--n"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "gec-batch", "--data", str(jfleg), flag, "0"])
+        assert exit_.value.code == 2 and "must be >= 1" in capsys.readouterr().err
