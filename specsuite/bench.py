@@ -42,6 +42,13 @@ class Run:
     forwards: int  # target forward passes
 
 
+def rotated(items: list, by: int) -> list:
+    """`items` rotated left by `by`: the order of the methods in round (or prompt) `by`, so that
+    each method runs first, second, ... alike and a machine's drift falls on all of them."""
+    by %= len(items)
+    return items[by:] + items[:by]
+
+
 # ---- tasks: how each reads its data and which app drafters apply -------------------------------
 
 def _gec_examples(path: Path, n: int, tok, end: list[int]) -> list[Example]:
@@ -211,7 +218,7 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
         for name in names:  # warm-up: first calls pay for kernel selection and allocation
             runners[name](Example(examples[0].prompt_ids, examples[0].drafters))
         for i, example in enumerate(tqdm(examples, desc=f"bench {task}", unit="prompt", disable=None)):
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            for name in rotated(names, i):
                 runs[name].append(runners[name](example))
     finally:
         counter.remove()

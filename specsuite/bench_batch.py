@@ -31,6 +31,7 @@ from specsuite.apps.gec.corrector import DEFAULT_BATCH_SIZE, Corrector
 from specsuite.apps.gec.drafter import CopyDrafter
 from specsuite.apps.gec.gleu import corpus_gleu, read_tokenized, tokenize
 from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache, instruction_ids
+from specsuite.bench import rotated
 from specsuite.core import eos_token_ids, generate, turn_end_token
 from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.models import load_model
@@ -121,7 +122,7 @@ def run_gec_batch(model_name: str, data: Path, n: int, batch_sizes: list[int], m
         run(everything[:WARMUP])
     names = list(runners)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in rotated(names, r):
             if r and name == "hf_greedy_bs1":
                 continue
             start = time.perf_counter()
