@@ -94,11 +94,11 @@ class BatchEngine:
         if draft_budget:
             self.budget = DraftBudget(cost or self.measure_step_cost())
 
-    def _start(self, model, batch_size: int, eos_token_id: int | Iterable[int] | None) -> None:
-        """What the loop (`run`) needs, whatever the store."""
+    def _start(self, model, batch_size: int, eos_token_id: int | Iterable[int] | None, tokenizer=None) -> None:
+        """What the loop (`run`) needs, whatever the store. eos_token_id None: `eos_token_ids`."""
         self.model, self.batch_size = model, batch_size
         if eos_token_id is None:
-            self.eos = eos_token_ids(model)
+            self.eos = eos_token_ids(model, tokenizer)
         else:
             self.eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
         self.context = context_length(model)

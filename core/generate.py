@@ -45,8 +45,8 @@ class _OneSequence(BatchEngine):
     """The engine's loop for one sequence, on the model's own cache: forwards by `backend` (a
     near-tie redone by the plain one), the prompt's longest cached prefix from `prefix_cache`."""
 
-    def __init__(self, model, eos: set[int], backend: Backend, prefix_cache) -> None:
-        self._start(model, 1, eos)
+    def __init__(self, model, eos_token_id, tokenizer, backend: Backend, prefix_cache) -> None:
+        self._start(model, 1, eos_token_id, tokenizer)
         self.backend, self.plain, self.prefix_cache = backend, plain_backend(model.dtype), prefix_cache
         self.backend_name, self.plain_steps = backend.name, backend.plain_steps
         self.cache = DynamicCache(config=model.config)
@@ -107,29 +107,19 @@ def generate(
         if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
             raise ValueError(f"one prompt at a time: expected (T,) or (1, T) token ids, got {tuple(prompt.shape)}")
         prompt = prompt.reshape(-1).tolist()
-    prompt_ids = list(prompt)
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if len(prompt_ids) >= context_length(model):
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context_length(model)}")
+    # The prompt and max_new_tokens are checked where the loop admits a request (`BatchEngine._admit`).
     if prefill_draft is not None and prefill_draft < 0:
         raise ValueError(f"prefill_draft must be >= 0, got {prefill_draft}")
     if tie_margin is not None and tie_margin < 0:
         raise ValueError(f"tie_margin must be >= 0, got {tie_margin}")
     if stop_strings and tokenizer is None:
         raise ValueError("stop_strings need the tokenizer")
-    if eos_token_id is None:
-        eos = eos_token_ids(model, tokenizer)
-    else:
-        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     backend = backend_for(model)
-    request = Request(prompt_ids, drafter, max_new_tokens, sampling, generator, on_step, tuple(stop_strings), tokenizer,
+    request = Request(list(prompt), drafter, max_new_tokens, sampling, generator, on_step, tuple(stop_strings), tokenizer,
                       backend.tie_margin if tie_margin is None else tie_margin,
                       backend.draft_sizes if draft_sizes is None else tuple(draft_sizes),
                       backend.prefill_draft if prefill_draft is None else prefill_draft)
-    ((_, result),) = _OneSequence(model, eos, backend, prefix_cache).run([request])
+    ((_, result),) = _OneSequence(model, eos_token_id, tokenizer, backend, prefix_cache).run([request])
     if isinstance(result, Exception):
         raise result
     return result

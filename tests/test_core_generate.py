@@ -544,6 +544,13 @@ def test_empty_prompt_is_rejected():
         generate(model, torch.zeros(1, 0, dtype=torch.long), max_new_tokens=3)
 
 
+def test_no_room_for_new_tokens_is_rejected():
+    model = model_for("llama")
+    for n in (0, -1):
+        with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+            generate(model, [1, 2, 3], max_new_tokens=n)
+
+
 def test_prompt_longer_than_the_context_is_rejected():
     model = model_for("llama", max_positions=32)
     for length in (32, 40):
