@@ -25,6 +25,7 @@ from specsuite.core.backend import backend_for
 from specsuite.core.draft import FallbackDrafter
 from specsuite.core.chat import chat_prompt_ids
 from specsuite.core.models import DEFAULT_MODEL, load_model
+from specsuite.retrieval.cli import _positive_int
 
 
 @dataclass
@@ -280,13 +281,6 @@ def _cmd(args: argparse.Namespace) -> int:
         return 2
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _run_cmd(args: argparse.Namespace) -> int:
     data = Path(args.data)
     if not data.exists():
@@ -359,7 +353,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "rag-serve: N concurrent calls of the RAG app's ask endpoint vs N sequential ones")
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
     p.add_argument("--data", required=True, help="gec: a text file, one sentence a line; rag/summarize: Spec-Bench jsonl")
-    p.add_argument("--n", type=_positive, default=10, help="number of prompts (default 10)")
+    p.add_argument("--n", type=_positive_int, default=10, help="number of prompts (default 10)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-model", help="a small model with the same tokenizer: adds hf_assisted and spec_draft_model")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
@@ -373,7 +367,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gec: our methods compute the shared instruction for every sentence, as HF's do")
     p.add_argument("--batch-sizes", default="1,8,16,32", help="gec-batch: the batch sizes of HF generate() and of "
                    "the engine (default 1,8,16,32)")
-    p.add_argument("--rounds", type=_positive, default=3, help="gec-batch, rag-serve: rounds over all methods, their "
+    p.add_argument("--rounds", type=_positive_int, default=3, help="gec-batch, rag-serve: rounds over all methods, their "
                    "order rotated each round; a method's time is its mean (gec-batch's reference hf_greedy_bs1 runs once)")
     p.add_argument("--refs", nargs="+", help="gec-batch: reference files line-aligned with --data, for GLEU")
     p.add_argument("--json", help="write the report as JSON here")

@@ -87,4 +87,4 @@ def test_bench_command_refuses_bad_counts_before_loading_anything(jfleg, capsys)
     for flag in ("--rounds", "--n"):
         with pytest.raises(SystemExit) as exit_:
             main(["bench", "gec-batch", "--data", str(jfleg), flag, "0"])
-        assert exit_.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+        assert exit_.value.code == 2 and "expected a positive integer, got '0'" in capsys.readouterr().err
