@@ -12,9 +12,16 @@ activations, all row counts 1..33:
 
 - most layers: a plain call of up to PLAIN_ROWS rows already does (at 33 rows and more, not always);
 - the down projection (a 4864-wide input): no plain call of 2 rows or more does, nor `weight @ x.T`
-  of fewer than 33 columns, but `weight @ x.T` of exactly PAD_COLUMNS columns (zero-padded) does.
+  of fewer than 33 columns, but `weight @ x.T` of exactly 33 columns (zero-padded) does.
   (Wider calls are not safe: at 47 columns the k/v projection, 128x896 with a bias, rounded some
   rows otherwise on random data, though most widths up to 128 held.)
+
+Why: oneDNN splits a one-row call's K (input) dimension into chunks summed apart in fp32 (two
+threads' halves, or four chunks of 2240 for Qwen2.5-1.5B's 8960-wide down projection: a probe
+with inputs 2^24, 1, -2^24 placed in turn shows which terms share a running sum), and the chunking
+follows the call's shape. A plain multi-row call sums the whole K in one run; `weight @ x.T` of
+some widths chunks K as the one-row call does: 33 columns on Qwen2.5-0.5B's down projection,
+192 on Qwen2.5-1.5B's (33-160 columns split it otherwise). So `_form` tries PAD_WIDTHS in turn.
 
 The form is chosen per weight shape by a check on this machine's kernel (`_form`) and tested;
 where no form passes, rows run one per call (exact, slow). One-token steps, and every call outside
@@ -35,8 +42,9 @@ still, about a one-row step (`specsuite step-cost`). On an AMX CPU the same form
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +52,7 @@ import torch.nn.functional as F
 from .exact_attention import current_linear, current_rows
 
 PLAIN_ROWS = 32
-PAD_COLUMNS = 33
+PAD_WIDTHS = (33, 64, 96, 128, 192, 256)  # the padded widths `_form` tries, narrowest (cheapest) first
 
 
 class ExactLinear(torch.nn.Linear):
@@ -133,21 +141,29 @@ def one_row_rounding(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """x (m, in) -> (m, out): `F.linear` of each row alone, bit for bit, in as few calls as the
     kernel allows (`_form`)."""
     form = _form(*weight.shape, bias is not None)
-    if form == "rows":
+    if form.kind == "rows":
         return torch.cat([F.linear(x[i: i + 1], weight, bias) for i in range(x.shape[0])])
     return _in_calls(x, weight, bias, form)
 
 
-def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
-    """"plain": `F.linear` in calls of at most PLAIN_ROWS rows; "padded": `weight @ x.T` in calls of
-    exactly PAD_COLUMNS columns (zero-padded)."""
+class _Form(NamedTuple):
+    """How `one_row_rounding` computes a weight's rows: "plain" (`F.linear` in calls of at most
+    PLAIN_ROWS rows), "padded" (`weight @ x.T` in calls of exactly `width` columns, zero-padded) or
+    "rows" (one call per row)."""
+
+    kind: str
+    width: int = 0
+
+
+def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: _Form) -> torch.Tensor:
+    """x (m, in) -> (m, out) in `form` ("plain" or "padded")."""
     m = x.shape[0]
-    if form == "plain":
+    if form.kind == "plain":
         if m <= PLAIN_ROWS:
             return F.linear(x, weight, bias)
         calls = [F.linear(rows, weight, bias) for rows in x.split(PLAIN_ROWS)]
         return calls[0] if len(calls) == 1 else torch.cat(calls)
-    return _transposed_calls(x, weight, bias, lambda rows: PAD_COLUMNS, PAD_COLUMNS)
+    return _transposed_calls(x, weight, bias, lambda rows: form.width, form.width)
 
 
 def fp32_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -164,7 +180,7 @@ def _transposed_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     for rows in x.split(most):
         width = columns(rows.shape[0])
         if width > rows.shape[0]:
-            rows = torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])])
+            rows = _zero_padded(rows, width)
         if bias is None:
             calls.append(weight @ rows.T)
         else:
@@ -174,21 +190,38 @@ def _transposed_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return (calls[0] if len(calls) == 1 else torch.cat(calls, dim=1)).T[: x.shape[0]].contiguous()
 
 
+_pads = threading.local()  # per thread: generate() may run in several threads at once
+
+
+def _zero_padded(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """rows (m, in) -> (width, in): rows, then zeros. A buffer kept per thread and shape, of
+    which only the rows an earlier call wrote are zeroed again: a fresh zero-padded copy of
+    Qwen2.5-1.5B's 8960-wide rows cost ~0.7 ms more per call (page faults on a new 3.4 MB tensor)."""
+    m = rows.shape[0]
+    buffers = _pads.__dict__.setdefault("buffers", {})
+    key = (width, rows.shape[1], rows.dtype, rows.device)
+    buffer, used = buffers.get(key) or (rows.new_zeros(width, rows.shape[1]), 0)
+    if used > m:
+        buffer[m:used].zero_()
+    buffer[:m] = rows
+    buffers[key] = (buffer, m)
+    return buffer
+
+
 @functools.cache
-def _form(out_features: int, in_features: int, bias: bool) -> str:
+def _form(out_features: int, in_features: int, bias: bool) -> _Form:
     """The cheapest way for `one_row_rounding` to round as one-row calls on this machine's kernel,
-    for this weight shape: "plain", "padded" (see `_in_calls`) or, failing both, "rows".
-    Checked once on random rows (tens of ms); a wide output (an lm_head) is checked on its first
-    8192 features, which the kernel blocks alike."""
+    for this weight shape: plain calls, else the narrowest padded width of PAD_WIDTHS that does,
+    else one call per row. Checked once on random rows (tens of ms); a wide output (an lm_head) is
+    checked on its first 8192 features, which the kernel blocks alike."""
     gen = torch.Generator().manual_seed(0)
     out_features = min(out_features, 8192)
     weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    x = torch.randn(2 * PAD_COLUMNS, in_features, generator=gen).bfloat16()
+    x = torch.randn(2 * PAD_WIDTHS[0], in_features, generator=gen).bfloat16()
     alone = torch.cat([F.linear(x[i: i + 1], weight, b) for i in range(x.shape[0])])
-    for form in ("plain", "padded"):
+    for form in (_Form("plain"), *(_Form("padded", width) for width in PAD_WIDTHS)):
         # row counts at which some forms were seen to round otherwise (see the module docstring)
-        if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (2, 9, 17, 32, 2 * PAD_COLUMNS)):
+        if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (2, 9, 17, 32, x.shape[0])):
             return form
-    return "rows"
-
+    return _Form("rows")

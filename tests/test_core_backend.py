@@ -13,7 +13,7 @@ import torch
 
 from specsuite.core import PromptLookupDrafter, generate
 from specsuite.core.backend import (
-    EXACT_BF16, FP32_CPU, PLAIN, backend_for, choose_backend, exact_is_affordable, fp32_forms, use_backend,
+    EXACT_BF16, EXACT_VS_PLAIN, FP32_CPU, PLAIN, backend_for, choose_backend, exact_is_affordable, fp32_forms, use_backend,
 )
 from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS
 from specsuite.core.draft_budget import StepCost, cost_file
@@ -44,7 +44,7 @@ def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monk
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
     model = tiny_model("qwen2").to(torch.bfloat16)
-    paths = {name: cost_file(model, measure=f"exact-vs-plain:{name}") for name in ("exact-bf16", "plain")}
+    paths = {name: cost_file(model, measure=f"{EXACT_VS_PLAIN}:{name}") for name in ("exact-bf16", "plain")}
     assert not any(path.exists() for path in paths.values())
     exact_is_affordable(model)  # measured now (both forms, alternating) and kept
     assert all(set(StepCost.load(path, [9, 17]).rows) == {9, 17} for path in paths.values())

@@ -219,7 +219,8 @@ def test_fp32_drafts_climb_the_default_size_ladder():
                         draft_sizes=(), prefill_draft=0)
     assert uncapped.tokens == truth[:50] and uncapped.stats.drafted[1] > 3
     bf16 = tiny_model("llama").to(torch.bfloat16)
-    assert choose_backend(bf16, "exact").draft_sizes == () == choose_backend(bf16, "plain").draft_sizes
+    # exact bf16: one rung, what its forms verify in one call per layer; plain: no cap
+    assert choose_backend(bf16, "exact").draft_sizes == (31,) and choose_backend(bf16, "plain").draft_sizes == ()
 
 
 def test_fp32_prefill_verifies_a_draft_too():
@@ -643,27 +644,29 @@ def test_block_after_a_cached_prefix_rounds_like_the_whole_prompts_prefill(dtype
 
 
 QWEN_LINEARS = [(896, 896, True), (128, 896, True), (4864, 896, False), (896, 4864, False)]
+QWEN_15B_DOWN = (1536, 8960, False)  # Qwen2.5-1.5B's down projection
 
 
 def test_linear_rows_round_like_one_row_decode_steps_in_bf16():
     """exact_linear computes draft rows as `weight @ x.T` (see `_form`); each row must come out bit
-    for bit as its own one-row call, the call of a decode step. Qwen2.5-0.5B's shapes. On torch
-    2.13's AMX kernel plain multi-row calls do not always round so (the down projection's
-    4864-wide input), which the last check keeps in view."""
+    for bit as its own one-row call, the call of a decode step. Qwen2.5-0.5B's shapes and
+    Qwen2.5-1.5B's down projection. On torch 2.13's AMX kernel plain multi-row calls do not always
+    round so (the down projections' wide inputs), which the last checks keep in view."""
     gen = torch.Generator().manual_seed(0)
     plain_differs = 0
-    for out_f, in_f, bias in QWEN_LINEARS:
+    for out_f, in_f, bias in QWEN_LINEARS + [QWEN_15B_DOWN]:
         weight = (torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5).bfloat16()
         b = torch.randn(out_f, generator=gen).bfloat16() if bias else None
-        for m in (2, 9, 17, 32, 33, 40, 70, 128, 161):
+        for m in (2, 9, 17, 32, 33, 40, 70, 128, 161, 200):
             x = (torch.randn(m, in_f, generator=gen) * 2).bfloat16()
             alone = torch.cat([torch.nn.functional.linear(x[i: i + 1], weight, b) for i in range(m)])
             assert torch.equal(exact_linear.one_row_rounding(x, weight, b), alone), (out_f, in_f, m)
             plain_differs += not torch.equal(torch.nn.functional.linear(x, weight, b), alone)
-    if exact_linear._form(896, 4864, False) == "padded":  # the kernel this was found on
+    if exact_linear._form(896, 4864, False) == ("padded", 33):  # the kernel this was found on
         assert plain_differs
         # and no Qwen layer falls back to one call per row (exact, but a verify step ~1.5x slower)
-        assert all(exact_linear._form(*shape) == "plain" for shape in QWEN_LINEARS if shape != (896, 4864, False))
+        assert all(exact_linear._form(*shape).kind == "plain" for shape in QWEN_LINEARS if shape != (896, 4864, False))
+        assert exact_linear._form(*QWEN_15B_DOWN) == ("padded", 192)
 
 
 def test_fp32_rows_are_the_linear_layer_in_padded_column_calls():
