@@ -72,9 +72,9 @@ class ExactLinear(torch.nn.Linear):
 def bf16_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int) -> torch.Tensor:
     """x (1, rows, in) -> (1, rows, out): the first `block` rows as one call (a prefill), the
     others each rounded as a one-row call (`one_row_rounding`)."""
-    if x.shape[1] == 1 or block >= x.shape[1]:  # a one-token step, or a prefill without draft rows
+    if x.shape[1] > 1 and block >= x.shape[1]:  # a prefill without draft rows
         return F.linear(x, layer.weight, layer.bias)
-    if block <= 1:  # a lone root token is a decode step like the draft rows
+    if block <= 1:  # a one-token step, or a lone root token: a decode step like the draft rows
         return one_row_rounding(x[0], layer.weight, layer.bias)[None]
     return torch.cat([F.linear(x[:, :block], layer.weight, layer.bias),
                       one_row_rounding(x[0, block:], layer.weight, layer.bias)[None]], dim=1)
@@ -102,31 +102,32 @@ def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int,
     if form == "columns":
         return fp32_rows(x[0], layer.weight, layer.bias)[None]
     if form == "packed":
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(layer), layer.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(layer.weight), layer.bias, "none", [], "")
     return F.linear(x, layer.weight, layer.bias)
 
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 PACK_ROWS = 32  # the row count oneDNN lays the packed weights out for (any count runs on them)
-_packed: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_packed: dict[int, tuple] = {}  # id(weight) -> (its version, packed); dropped with the weight
 
 
-def packed_weight(layer: torch.nn.Linear) -> torch.Tensor:
-    """`layer.weight` packed for oneDNN, made on first use and again whenever the weight changes.
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` packed for oneDNN, made on first use and again whenever the weight changes.
     Kept outside the module, so that copying or saving the model never meets the opaque tensor."""
-    weight = layer.weight
-    key = (weight.data_ptr(), weight._version, weight.dtype)
-    entry = _packed.get(layer)
+    version = None if weight.is_inference() else weight._version  # inference tensors keep none
+    key = (weight.data_ptr(), version, weight.dtype)
+    entry = _packed.get(id(weight))
     if entry is None or entry[0] != key:
-        entry = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
-        _packed[layer] = entry
+        if entry is None:
+            weakref.finalize(weight, _packed.pop, id(weight), None)
+        entry = _packed[id(weight)] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
     return entry[1]
 
 
 def drop_packed(model: torch.nn.Module) -> None:
     """Free the packed weights of `model`'s layers (after a measurement chose other forms)."""
-    for module in model.modules():
-        _packed.pop(module, None)
+    for weight in model.parameters():
+        _packed.pop(id(weight), None)
 
 
 def install(model: torch.nn.Module) -> int:
@@ -143,27 +144,33 @@ def one_row_rounding(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     form = _form(*weight.shape, bias is not None)
     if form.kind == "rows":
         return torch.cat([F.linear(x[i: i + 1], weight, bias) for i in range(x.shape[0])])
+    if x.shape[0] == 1 and form.kind != "packed":  # the call of a decode step itself
+        return F.linear(x, weight, bias)
     return _in_calls(x, weight, bias, form)
 
 
 class _Form(NamedTuple):
-    """How `one_row_rounding` computes a weight's rows: "plain" (`F.linear` in calls of at most
-    PLAIN_ROWS rows), "padded" (`weight @ x.T` in calls of exactly `width` columns, zero-padded) or
-    "rows" (one call per row)."""
+    """How `one_row_rounding` computes a weight's rows: "packed" (oneDNN calls of at most
+    PLAIN_ROWS rows on the weights packed once, `packed_weight`), "plain" (`F.linear` in such
+    calls), "padded" (`weight @ x.T` in calls of exactly `width` columns, zero-padded) or "rows"
+    (one call per row)."""
 
     kind: str
     width: int = 0
 
 
 def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: _Form) -> torch.Tensor:
-    """x (m, in) -> (m, out) in `form` ("plain" or "padded")."""
-    m = x.shape[0]
-    if form.kind == "plain":
-        if m <= PLAIN_ROWS:
-            return F.linear(x, weight, bias)
-        calls = [F.linear(rows, weight, bias) for rows in x.split(PLAIN_ROWS)]
-        return calls[0] if len(calls) == 1 else torch.cat(calls)
-    return _transposed_calls(x, weight, bias, lambda rows: form.width, form.width)
+    """x (m, in) -> (m, out) in `form` ("packed", "plain" or "padded")."""
+    if form.kind == "padded":
+        return _transposed_calls(x, weight, bias, lambda rows: form.width, form.width)
+    call = _packed_call if form.kind == "packed" else F.linear
+    if x.shape[0] <= PLAIN_ROWS:
+        return call(x, weight, bias)
+    return torch.cat([call(rows, weight, bias) for rows in x.split(PLAIN_ROWS)])
+
+
+def _packed_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
 
 
 def fp32_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -211,17 +218,45 @@ def _zero_padded(rows: torch.Tensor, width: int) -> torch.Tensor:
 @functools.cache
 def _form(out_features: int, in_features: int, bias: bool) -> _Form:
     """The cheapest way for `one_row_rounding` to round as one-row calls on this machine's kernel,
-    for this weight shape: plain calls, else the narrowest padded width of PAD_WIDTHS that does,
-    else one call per row. Checked once on random rows (tens of ms); a wide output (an lm_head) is
-    checked on its first 8192 features, which the kernel blocks alike."""
+    for this weight shape: oneDNN calls on packed weights (where neither they nor a one-row call
+    split the sum over the input, `_split_sums`), plain calls, the narrowest padded width of
+    PAD_WIDTHS, else one call per row. Checked once on random rows (tens of ms); a wide output
+    (an lm_head) is checked on its first 8192 features, which the kernel blocks alike."""
     gen = torch.Generator().manual_seed(0)
     out_features = min(out_features, 8192)
     weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
     x = torch.randn(2 * PAD_WIDTHS[0], in_features, generator=gen).bfloat16()
     alone = torch.cat([F.linear(x[i: i + 1], weight, b) for i in range(x.shape[0])])
-    for form in (_Form("plain"), *(_Form("padded", width) for width in PAD_WIDTHS)):
-        # row counts at which some forms were seen to round otherwise (see the module docstring)
-        if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (2, 9, 17, 32, x.shape[0])):
+    forms = [_Form("plain"), *(_Form("padded", width) for width in PAD_WIDTHS)]
+    if ONEDNN and not _split_sums(F.linear, out_features, in_features, 1):
+        forms.insert(0, _Form("packed"))
+    for form in forms:
+        # every row count a packed call may take; else those at which some forms were seen to
+        # round otherwise (see the module docstring)
+        counts = range(1, PLAIN_ROWS + 1) if form.kind == "packed" else (2, 9, 17, 32)
+        if form.kind == "packed" and any(_split_sums(_packed_call, out_features, in_features, m) for m in counts):
+            continue
+        if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (*counts, x.shape[0])):
             return form
     return _Form("rows")
+
+
+BIG = 2.0 ** 24  # 2^24 + 1 rounds back to 2^24 in fp32
+
+
+def _split_sums(call: Callable, out_features: int, in_features: int, rows: int) -> list[int]:
+    """Where `call` (x (rows, in), weight (out, in), bias -> (rows, out), bf16) starts a separate
+    running sum over the input dimension (multiples of 32; [] for one sum), as the kernel may split
+    it (by threads or cache blocks) according to the call's shape. Each output feature probes one
+    position p on inputs of ones: weights 2^24 at p - 32, 1 at p, -2^24 at p + 32; the 1 survives
+    only where the sum that holds it does not hold the 2^24 before it."""
+    positions = list(range(32, in_features - 32, 32))[:out_features]
+    if not positions:
+        return []
+    weight = torch.zeros(out_features, in_features, dtype=torch.bfloat16)
+    n = torch.arange(len(positions))
+    p = torch.tensor(positions)
+    weight[n, p - 32], weight[n, p], weight[n, p + 32] = BIG, 1.0, -BIG
+    y = call(torch.ones(rows, in_features, dtype=torch.bfloat16), weight, None)[:, : len(positions)]
+    return [q for q, survived in zip(positions, (y != 0).any(0).tolist()) if survived]

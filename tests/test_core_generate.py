@@ -665,7 +665,7 @@ def test_linear_rows_round_like_one_row_decode_steps_in_bf16():
     if exact_linear._form(896, 4864, False) == ("padded", 33):  # the kernel this was found on
         assert plain_differs
         # and no Qwen layer falls back to one call per row (exact, but a verify step ~1.5x slower)
-        assert all(exact_linear._form(*shape).kind == "plain" for shape in QWEN_LINEARS if shape != (896, 4864, False))
+        assert all(exact_linear._form(*shape).kind == "packed" for shape in QWEN_LINEARS if shape != (896, 4864, False))
         assert exact_linear._form(*QWEN_15B_DOWN) == ("padded", 192)
 
 
@@ -701,7 +701,7 @@ def test_fp32_forwards_take_the_fast_kernels_and_plain_calls_stay_plain():
         if 2 <= rows <= 4:
             assert torch.equal(out[0], exact_linear.fp32_rows(x[0], layer.weight, layer.bias))
         elif exact_linear.ONEDNN:
-            packed = exact_linear.packed_weight(layer)
+            packed = exact_linear.packed_weight(layer.weight)
             assert torch.equal(out, torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], ""))
         assert torch.equal(layer(x), plain)  # outside block_rows
     x = torch.randn(1, 9, 896, generator=gen)
