@@ -54,12 +54,13 @@ FP32_CPU_DRAFT_SIZES = (3, 7, 15, 31)
 # 16, 58.5 s with 8, 63.9 s with none.
 FP32_CPU_PREFILL_DRAFT = 16
 
-# The exact bf16 forms are kept while a verify forward in them costs at most this much more than
-# the plain one (measured at AFFORDABILITY_ROWS rows, what a copy draft verifies).
+# The exact bf16 forms are kept while forwards in them cost at most this much more than plain ones,
+# summed over AFFORDABILITY_ROWS rows: a one-token step (cheaper in the exact forms, on packed
+# weights) and what a copy draft verifies.
 EXACT_OVERHEAD = 0.15
-AFFORDABILITY_ROWS = (9, 17)
-# What that measurement is kept on disk as; "v2" since the padded forms of exact_linear widened
-# (PAD_WIDTHS), which made Qwen2.5-1.5B's exact forms 1.3x plain forwards instead of 3.1x.
+AFFORDABILITY_ROWS = (1, 9, 17)
+# What that measurement is kept on disk as; "v2" since exact_linear's packed form and wider padded
+# forms (PAD_WIDTHS) made Qwen2.5-1.5B's exact forwards ~1.1x plain ones instead of 3.1x.
 EXACT_VS_PLAIN = "exact-vs-plain v2"
 
 KINDS = ("auto", "exact", "plain")

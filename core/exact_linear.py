@@ -6,26 +6,30 @@ one-row call, and so may a prefill's rows when draft rows follow them in the sam
 bits drift into the KV cache and flip an exact tie of the logits now and then (measured on
 Qwen2.5-0.5B: 4 of 100 JFLEG corrections diverged from greedy). So within `block_rows(n, total)`
 the n block rows (a prefill) run as one call of their own, as `generate()`'s prefill does, and the
-other rows in a form that rounds each row as a one-row call does. Found by experiment on torch
-2.13's kernel (oneDNN, AMX), on every linear layer of Qwen2.5-0.5B with 400 rows of real
-activations, all row counts 1..33:
+other rows in a form that rounds each row as a one-row call does.
 
-- most layers: a plain call of up to PLAIN_ROWS rows already does (at 33 rows and more, not always);
-- the down projection (a 4864-wide input): no plain call of 2 rows or more does, nor `weight @ x.T`
-  of fewer than 33 columns, but `weight @ x.T` of exactly 33 columns (zero-padded) does.
-  (Wider calls are not safe: at 47 columns the k/v projection, 128x896 with a bias, rounded some
-  rows otherwise on random data, though most widths up to 128 held.)
+Why calls round differently: oneDNN (AMX) may split the sum over a call's input dimension into
+runs summed apart in fp32 (by threads, by cache blocks), according to the call's shape. A one-row
+call of Qwen2.5-0.5B's down projection (a 4864-wide input) sums two halves apart, one of
+Qwen2.5-1.5B's (8960 wide) four runs of 2240; a plain multi-row call sums the whole input in one
+run. `_split_sums` shows where a call splits (inputs 2^24, 1, -2^24 in turn: the 1 survives only
+where it is summed apart from the first 2^24). The forms, chosen per weight shape by a check on
+this machine's kernel (`_form`), cheapest first:
 
-Why: oneDNN splits a one-row call's K (input) dimension into chunks summed apart in fp32 (two
-threads' halves, or four chunks of 2240 for Qwen2.5-1.5B's 8960-wide down projection: a probe
-with inputs 2^24, 1, -2^24 placed in turn shows which terms share a running sum), and the chunking
-follows the call's shape. A plain multi-row call sums the whole K in one run; `weight @ x.T` of
-some widths chunks K as the one-row call does: 33 columns on Qwen2.5-0.5B's down projection,
-192 on Qwen2.5-1.5B's (33-160 columns split it otherwise). So `_form` tries PAD_WIDTHS in turn.
+- "packed": oneDNN calls on the weights packed once (`packed_weight`, a second copy of them),
+  where neither a one-row call nor a packed call of 1..PLAIN_ROWS rows splits the sum (every
+  projection of Qwen2.5 but the down projections, and the lm_head). Bit for bit a one-row
+  `F.linear` at every row count, and cheaper: the plain call repacks the weights on every call.
+  One-token steps take it too (a Qwen2.5-0.5B forward of one row: 77 ms against 93 plain).
+- "plain": `F.linear` in calls of up to PLAIN_ROWS rows (where no packed weights are at hand).
+- "padded": `weight @ x.T` in calls of exactly `width` columns (zero-padded), the narrowest of
+  PAD_WIDTHS whose calls split the input as the one-row call does: 33 columns on Qwen2.5-0.5B's
+  down projection, 192 on Qwen2.5-1.5B's (33-160 columns split it otherwise). (Wider is not safe
+  everywhere: at 47 columns the k/v projection, 128x896 with a bias, rounded some rows otherwise.)
+- "rows": one call per row, where nothing else passes (exact, slow).
 
-The form is chosen per weight shape by a check on this machine's kernel (`_form`) and tested;
-where no form passes, rows run one per call (exact, slow). One-token steps, and every call outside
-`block_rows` (HF's own generate()), are plain `F.linear`.
+Every form is also checked on random rows, and tested on real activations. Calls outside
+`block_rows` (HF's own generate()) are plain `F.linear`.
 
 In fp32 no form rounds draft rows bit for bit as one-row calls, and none needs to: rows differ
 from plain calls by ~1e-6, and generate()'s tie guard redoes, as plain decoding computes them, the

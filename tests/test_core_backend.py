@@ -13,7 +13,7 @@ import torch
 
 from specsuite.core import PromptLookupDrafter, generate
 from specsuite.core.backend import (
-    EXACT_BF16, EXACT_VS_PLAIN, FP32_CPU, PLAIN, backend_for, choose_backend, exact_is_affordable, fp32_forms, use_backend,
+    AFFORDABILITY_ROWS, EXACT_BF16, EXACT_VS_PLAIN, FP32_CPU, PLAIN, backend_for, choose_backend, exact_is_affordable, fp32_forms, use_backend,
 )
 from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS
 from specsuite.core.draft_budget import StepCost, cost_file
@@ -47,10 +47,11 @@ def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monk
     paths = {name: cost_file(model, measure=f"{EXACT_VS_PLAIN}:{name}") for name in ("exact-bf16", "plain")}
     assert not any(path.exists() for path in paths.values())
     exact_is_affordable(model)  # measured now (both forms, alternating) and kept
-    assert all(set(StepCost.load(path, [9, 17]).rows) == {9, 17} for path in paths.values())
+    rows = list(AFFORDABILITY_ROWS)
+    assert all(StepCost.load(path, rows).rows == rows for path in paths.values())
     for exact_s, expected in ((1.10, EXACT_BF16), (2.0, None)):
-        StepCost({9: exact_s, 17: exact_s}).save(paths["exact-bf16"])
-        StepCost({9: 1.0, 17: 1.0}).save(paths["plain"])
+        StepCost(dict.fromkeys(rows, exact_s)).save(paths["exact-bf16"])
+        StepCost(dict.fromkeys(rows, 1.0)).save(paths["plain"])
         chosen = choose_backend(model)
         assert chosen is expected if expected else chosen.name == "plain"
 
