@@ -648,16 +648,17 @@ QWEN_15B_DOWN = (1536, 8960, False)  # Qwen2.5-1.5B's down projection
 
 
 def test_linear_rows_round_like_one_row_decode_steps_in_bf16():
-    """exact_linear computes draft rows as `weight @ x.T` (see `_form`); each row must come out bit
-    for bit as its own one-row call, the call of a decode step. Qwen2.5-0.5B's shapes and
-    Qwen2.5-1.5B's down projection. On torch 2.13's AMX kernel plain multi-row calls do not always
-    round so (the down projections' wide inputs), which the last checks keep in view."""
+    """exact_linear computes draft rows (and one-token steps) in the form `_form` chose; each row
+    must come out bit for bit as its own one-row `F.linear`, the call of HF's decode step.
+    Qwen2.5-0.5B's shapes and Qwen2.5-1.5B's down projection. On torch 2.13's AMX kernel plain
+    multi-row calls do not always round so (the down projections' wide inputs), which the last
+    checks keep in view."""
     gen = torch.Generator().manual_seed(0)
     plain_differs = 0
     for out_f, in_f, bias in QWEN_LINEARS + [QWEN_15B_DOWN]:
         weight = (torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5).bfloat16()
         b = torch.randn(out_f, generator=gen).bfloat16() if bias else None
-        for m in (2, 9, 17, 32, 33, 40, 70, 128, 161, 200):
+        for m in (1, 2, 9, 17, 32, 33, 40, 70, 128, 161, 200):
             x = (torch.randn(m, in_f, generator=gen) * 2).bfloat16()
             alone = torch.cat([torch.nn.functional.linear(x[i: i + 1], weight, b) for i in range(m)])
             assert torch.equal(exact_linear.one_row_rounding(x, weight, b), alone), (out_f, in_f, m)
@@ -667,6 +668,22 @@ def test_linear_rows_round_like_one_row_decode_steps_in_bf16():
         # and no Qwen layer falls back to one call per row (exact, but a verify step ~1.5x slower)
         assert all(exact_linear._form(*shape).kind == "packed" for shape in QWEN_LINEARS if shape != (896, 4864, False))
         assert exact_linear._form(*QWEN_15B_DOWN) == ("padded", 192)
+
+
+def test_split_sums_finds_where_a_matmul_sums_its_input_apart():
+    """`_split_sums` on matmuls whose order of summation is known: one running sum over the input
+    (blocks of 32 in turn), and two halves summed apart then added, as a kernel's threads may."""
+
+    def blocks(x: torch.Tensor, weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        acc = torch.zeros(x.shape[0], weight.shape[0])
+        for k in range(start, end, 32):  # each block holds at most one nonzero product per output
+            acc = acc + x[:, k: k + 32].float() @ weight[:, k: k + 32].float().T
+        return acc
+
+    one_sum = lambda x, w, b: blocks(x, w, 0, x.shape[1]).bfloat16()  # noqa: E731
+    halves = lambda x, w, b: (blocks(x, w, 0, 320) + blocks(x, w, 320, x.shape[1])).bfloat16()  # noqa: E731
+    assert exact_linear._split_sums(one_sum, 64, 640, 2) == []
+    assert exact_linear._split_sums(halves, 64, 640, 2) == [320]
 
 
 def test_fp32_rows_are_the_linear_layer_in_padded_column_calls():
