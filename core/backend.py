@@ -122,8 +122,9 @@ class Backend:
 # prefill, JFLEG prompts): a guard 25x wider.
 # Its drafts are capped at PLAIN_ROWS - 1 nodes: with the root, every layer then verifies them in one
 # call; a 40-row forward takes two (a second pass over the weights), ~230 ms against ~140 ms at 32
-# rows (Qwen2.5-0.5B, `specsuite step-cost`). 12 of the 408 copy-draft steps of 100 JFLEG
-# sentences drafted more; capped, the same outputs took 0.6% less time (ad-hoc A/B, alternated).
+# rows (Qwen2.5-0.5B, `specsuite step-cost`, before the packed form). 12 of the 408 copy-draft
+# steps of 100 JFLEG sentences drafted more; capped, the same outputs took 0.6% less time (ad-hoc
+# A/B, alternated).
 EXACT_BF16 = Backend("exact-bf16", bf16_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(PLAIN_ROWS - 1,))
 FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, draft_sizes=FP32_CPU_DRAFT_SIZES,
                    prefill_draft=FP32_CPU_PREFILL_DRAFT, plain_steps=False, lossless_prefix_cache=True)
