@@ -233,7 +233,7 @@ def _form(out_features: int, in_features: int, bias: bool) -> _Form:
     x = torch.randn(2 * PAD_WIDTHS[0], in_features, generator=gen).bfloat16()
     alone = torch.cat([F.linear(x[i: i + 1], weight, b) for i in range(x.shape[0])])
     forms = [_Form("plain"), *(_Form("padded", width) for width in PAD_WIDTHS)]
-    if ONEDNN and not _split_sums(F.linear, out_features, in_features, 1):
+    if _packed_bf16_runs() and not _split_sums(F.linear, out_features, in_features, 1):
         forms.insert(0, _Form("packed"))
     for form in forms:
         # every row count a packed call may take; else those at which some forms were seen to
@@ -244,6 +244,19 @@ def _form(out_features: int, in_features: int, bias: bool) -> _Form:
         if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (*counts, x.shape[0])):
             return form
     return _Form("rows")
+
+
+@functools.cache
+def _packed_bf16_runs() -> bool:
+    """Whether oneDNN runs bf16 calls on packed weights here (torch refuses them on a CPU without
+    avx512 or avx_ne_convert, e.g. AVX2-only)."""
+    if not ONEDNN:
+        return False
+    x, weight = torch.ones(2, 64, dtype=torch.bfloat16), torch.ones(8, 64, dtype=torch.bfloat16)
+    try:
+        return torch.equal(_packed_call(x, weight, None), F.linear(x, weight))
+    except RuntimeError:
+        return False
 
 
 BIG = 2.0 ** 24  # 2^24 + 1 rounds back to 2^24 in fp32

@@ -686,6 +686,29 @@ def test_split_sums_finds_where_a_matmul_sums_its_input_apart():
     assert exact_linear._split_sums(halves, 64, 640, 2) == [320]
 
 
+def test_exact_linear_does_without_packed_calls_where_onednn_refuses_them(monkeypatch):
+    """On a CPU without avx512 torch refuses bf16 oneDNN calls on packed weights: the forms then
+    do without them, and rows still round as one-row calls."""
+    def refused(x, weight, bias):
+        raise RuntimeError("mkldnn_linear: bf16 path needs the cpu support avx_ne_convert or avx512bw")
+
+    monkeypatch.setattr(exact_linear, "_packed_call", refused)
+    for cached in (exact_linear._packed_bf16_runs, exact_linear._form):
+        cached.cache_clear()
+    try:
+        assert not exact_linear._packed_bf16_runs()
+        gen = torch.Generator().manual_seed(4)
+        weight = (torch.randn(128, 896, generator=gen) * 896 ** -0.5).bfloat16()
+        x = torch.randn(9, 896, generator=gen).bfloat16()
+        assert exact_linear._form(128, 896, False).kind != "packed"
+        alone = torch.cat([torch.nn.functional.linear(x[i: i + 1], weight) for i in range(9)])
+        assert torch.equal(exact_linear.one_row_rounding(x, weight, None), alone)
+    finally:  # the forms of this machine again for the other tests
+        monkeypatch.undo()
+        for cached in (exact_linear._packed_bf16_runs, exact_linear._form):
+            cached.cache_clear()
+
+
 def test_fp32_rows_are_the_linear_layer_in_padded_column_calls():
     """`fp32_rows` (2-4-row calls in fp32): `weight @ x.T` in calls of 2, 4, 8, 16 or 32 zero-padded
     columns, `F.linear`'s values up to fp32 rounding, as contiguous rows."""
