@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +106,7 @@ def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int,
     if form == "columns":
         return fp32_rows(x[0], layer.weight, layer.bias)[None]
     if form == "packed":
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(layer.weight), layer.bias, "none", [], "")
+        return _packed_call(x, layer.weight, layer.bias)
     return F.linear(x, layer.weight, layer.bias)
 
 
@@ -233,14 +233,13 @@ def _form(out_features: int, in_features: int, bias: bool) -> _Form:
     x = torch.randn(2 * PAD_WIDTHS[0], in_features, generator=gen).bfloat16()
     alone = torch.cat([F.linear(x[i: i + 1], weight, b) for i in range(x.shape[0])])
     forms = [_Form("plain"), *(_Form("padded", width) for width in PAD_WIDTHS)]
-    if _packed_bf16_runs() and not _split_sums(F.linear, out_features, in_features, 1):
+    every_count = range(1, PLAIN_ROWS + 1)  # every row count a packed call may take
+    if (_packed_bf16_runs() and _split_sums(F.linear, out_features, in_features, [1]) == [[]]
+            and not any(_split_sums(_packed_call, out_features, in_features, every_count))):
         forms.insert(0, _Form("packed"))
     for form in forms:
-        # every row count a packed call may take; else those at which some forms were seen to
-        # round otherwise (see the module docstring)
-        counts = range(1, PLAIN_ROWS + 1) if form.kind == "packed" else (2, 9, 17, 32)
-        if form.kind == "packed" and any(_split_sums(_packed_call, out_features, in_features, m) for m in counts):
-            continue
+        # else the row counts at which some forms were seen to round otherwise (module docstring)
+        counts = every_count if form.kind == "packed" else (2, 9, 17, 32)
         if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (*counts, x.shape[0])):
             return form
     return _Form("rows")
@@ -262,18 +261,22 @@ def _packed_bf16_runs() -> bool:
 BIG = 2.0 ** 24  # 2^24 + 1 rounds back to 2^24 in fp32
 
 
-def _split_sums(call: Callable, out_features: int, in_features: int, rows: int) -> list[int]:
-    """Where `call` (x (rows, in), weight (out, in), bias -> (rows, out), bf16) starts a separate
-    running sum over the input dimension (multiples of 32; [] for one sum), as the kernel may split
-    it (by threads or cache blocks) according to the call's shape. Each output feature probes one
-    position p on inputs of ones: weights 2^24 at p - 32, 1 at p, -2^24 at p + 32; the 1 survives
-    only where the sum that holds it does not hold the 2^24 before it."""
+def _split_sums(call: Callable, out_features: int, in_features: int, counts: Sequence[int]) -> list[list[int]]:
+    """For calls of each row count in `counts`: where `call` (x (rows, in), weight (out, in), bias ->
+    (rows, out), bf16) starts a separate running sum over the input dimension (multiples of 32; []
+    for one sum), as the kernel may split it (by threads or cache blocks) according to the call's
+    shape. Each output feature probes one position p on inputs of ones: weights 2^24 at p - 32, 1
+    at p, -2^24 at p + 32; the 1 survives only where the sum that holds it does not hold the 2^24
+    before it. One probe weight for all counts (packed once, where `call` packs it)."""
     positions = list(range(32, in_features - 32, 32))[:out_features]
     if not positions:
-        return []
+        return [[] for _ in counts]
     weight = torch.zeros(out_features, in_features, dtype=torch.bfloat16)
     n = torch.arange(len(positions))
     p = torch.tensor(positions)
     weight[n, p - 32], weight[n, p], weight[n, p + 32] = BIG, 1.0, -BIG
-    y = call(torch.ones(rows, in_features, dtype=torch.bfloat16), weight, None)[:, : len(positions)]
-    return [q for q, survived in zip(positions, (y != 0).any(0).tolist()) if survived]
+    splits = []
+    for rows in counts:
+        y = call(torch.ones(rows, in_features, dtype=torch.bfloat16), weight, None)[:, : len(positions)]
+        splits.append([q for q, survived in zip(positions, (y != 0).any(0).tolist()) if survived])
+    return splits

@@ -682,8 +682,8 @@ def test_split_sums_finds_where_a_matmul_sums_its_input_apart():
 
     one_sum = lambda x, w, b: blocks(x, w, 0, x.shape[1]).bfloat16()  # noqa: E731
     halves = lambda x, w, b: (blocks(x, w, 0, 320) + blocks(x, w, 320, x.shape[1])).bfloat16()  # noqa: E731
-    assert exact_linear._split_sums(one_sum, 64, 640, 2) == []
-    assert exact_linear._split_sums(halves, 64, 640, 2) == [320]
+    assert exact_linear._split_sums(one_sum, 64, 640, [1, 2]) == [[], []]
+    assert exact_linear._split_sums(halves, 64, 640, [1, 2]) == [[320], [320]]
 
 
 def test_exact_linear_does_without_packed_calls_where_onednn_refuses_them(monkeypatch):
