@@ -35,7 +35,7 @@ from . import decoder_forward
 from .draft import Draft
 from .draft_budget import StepCost, cost_file
 from .exact_attention import NAME as EXACT_ATTENTION, block_rows
-from .exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, bf16_rows, drop_packed, fp32_linear
+from .exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, bf16_rows, drop_packed, fp32_linear, short_call_rows
 from .verify import tree_attention_mask
 
 # fp32 on the CPU: a verify step of 2-4 rows costs 1.1-1.2x a one-row step, 5-9 rows ~1.4-1.7x,
@@ -60,8 +60,9 @@ FP32_CPU_PREFILL_DRAFT = 16
 EXACT_OVERHEAD = 0.15
 AFFORDABILITY_ROWS = (1, 9, 17)
 # What that measurement is kept on disk as; "v2" since exact_linear's packed form and wider padded
-# forms (PAD_WIDTHS) made Qwen2.5-1.5B's exact forwards ~1.1x plain ones instead of 3.1x.
-EXACT_VS_PLAIN = "exact-vs-plain v2"
+# forms (PAD_WIDTHS) made Qwen2.5-1.5B's exact forwards ~1.1x plain ones instead of 3.1x, "v3"
+# since short calls of the padded forms' layers run column-major (`_column_major_rows`).
+EXACT_VS_PLAIN = "exact-vs-plain v3"
 
 KINDS = ("auto", "exact", "plain")
 
@@ -126,6 +127,13 @@ class Backend:
 # steps of 100 JFLEG sentences drafted more; capped, the same outputs took 0.6% less time (ad-hoc
 # A/B, alternated).
 EXACT_BF16 = Backend("exact-bf16", bf16_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(PLAIN_ROWS - 1,))
+# Where a layer rounds as one-row calls in cheap column-major calls only up to fewer rows
+# (`exact_linear.short_call_rows`), drafts are capped to fit them. Qwen2.5-1.5B's down projection
+# on the AMX CPU: 2-15 rows column-major, 192 padded columns beyond; a verify forward of 12 rows
+# cost 228 ms, 16 rows 292 (`specsuite step-cost`). Replayed with those costs on its greedy
+# outputs for 50 JFLEG sentences, drafts capped at 14 nodes needed 64.2 s of decoding, at 31
+# 68.6 s, at 11 67.4 s, at 7 72.4 s; so the cap follows the short calls down to this many rows.
+MIN_SHORT_CALL_ROWS = 12
 FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, draft_sizes=FP32_CPU_DRAFT_SIZES,
                    prefill_draft=FP32_CPU_PREFILL_DRAFT, plain_steps=False, lossless_prefix_cache=True)
 # A redone row inherits KV that multi-row calls wrote. In fp32 that drift is ~1e-6, so redoing rows
@@ -154,7 +162,8 @@ def choose_backend(model, kind: str = "auto") -> Backend:
     if model.dtype == torch.float32:
         return replace(FP32_CPU, linear=functools.partial(fp32_linear, forms=fp32_forms(model)))
     if kind == "exact" or exact_is_affordable(model):
-        return EXACT_BF16
+        rows = short_call_rows(model)
+        return replace(EXACT_BF16, draft_sizes=(rows - 1,)) if MIN_SHORT_CALL_ROWS <= rows < PLAIN_ROWS else EXACT_BF16
     return plain_backend(model.dtype)
 
 

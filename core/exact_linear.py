@@ -26,6 +26,9 @@ this machine's kernel (`_form`), cheapest first:
   PAD_WIDTHS whose calls split the input as the one-row call does: 33 columns on Qwen2.5-0.5B's
   down projection, 192 on Qwen2.5-1.5B's (33-160 columns split it otherwise). (Wider is not safe
   everywhere: at 47 columns the k/v projection, 128x896 with a bias, rounded some rows otherwise.)
+  Short calls go cheaper: `F.linear` of the rows laid out column-major splits the input as the
+  one-row call does for 2..`short` rows (`_column_major_rows`: 2-15 rows on Qwen2.5-1.5B's down
+  projection, 1.3-1.5 ms a call against 2.9 ms for 192 padded columns; 2-32 on Qwen2.5-0.5B's).
 - "rows": one call per row, where nothing else passes (exact, slow).
 
 Every form is also checked on random rows, and tested on real activations. Calls outside
@@ -146,21 +149,33 @@ def one_row_rounding(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """x (m, in) -> (m, out): `F.linear` of each row alone, bit for bit, in as few calls as the
     kernel allows (`_form`)."""
     form = _form(*weight.shape, bias is not None)
-    if form.kind == "rows":
-        return torch.cat([F.linear(x[i: i + 1], weight, bias) for i in range(x.shape[0])])
     if x.shape[0] == 1 and form.kind != "packed":  # the call of a decode step itself
         return F.linear(x, weight, bias)
+    if x.shape[0] <= form.short:
+        return _column_major_call(x, weight, bias)
+    if form.kind == "rows":
+        return torch.cat([F.linear(x[i: i + 1], weight, bias) for i in range(x.shape[0])])
     return _in_calls(x, weight, bias, form)
+
+
+def short_call_rows(model: torch.nn.Module) -> int:
+    """The most rows that every `ExactLinear` layer of `model` (bf16) rounds as one-row calls in
+    one cheap call: PLAIN_ROWS, or fewer where a layer that otherwise needs padded columns (or one
+    call per row) takes them column-major only up to its `short` rows."""
+    shapes = {(*m.weight.shape, m.bias is not None) for m in model.modules() if isinstance(m, ExactLinear)}
+    forms = [_form(*shape) for shape in shapes]
+    return min([f.short for f in forms if f.kind in ("padded", "rows") and f.short], default=PLAIN_ROWS)
 
 
 class _Form(NamedTuple):
     """How `one_row_rounding` computes a weight's rows: "packed" (oneDNN calls of at most
     PLAIN_ROWS rows on the weights packed once, `packed_weight`), "plain" (`F.linear` in such
     calls), "padded" (`weight @ x.T` in calls of exactly `width` columns, zero-padded) or "rows"
-    (one call per row)."""
+    (one call per row); calls of 2..`short` rows take `_column_major_call` instead."""
 
     kind: str
     width: int = 0
+    short: int = 0
 
 
 def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: _Form) -> torch.Tensor:
@@ -175,6 +190,12 @@ def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
 def _packed_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
+
+
+def _column_major_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` of x (m, in) laid out column-major: the kernel takes another path for it, one
+    that splits the sum over the input as a one-row call does on some shapes (see `_form`)."""
+    return F.linear(x.T.contiguous().T, weight, bias)
 
 
 def fp32_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -241,8 +262,28 @@ def _form(out_features: int, in_features: int, bias: bool) -> _Form:
         # else the row counts at which some forms were seen to round otherwise (module docstring)
         counts = every_count if form.kind == "packed" else (2, 9, 17, 32)
         if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (*counts, x.shape[0])):
-            return form
-    return _Form("rows")
+            break
+    else:
+        form = _Form("rows")
+    if form.kind in ("padded", "rows"):
+        form = form._replace(short=_column_major_rows(weight, b, x, alone))
+    return form
+
+
+def _column_major_rows(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, alone: torch.Tensor) -> int:
+    """The most rows k <= PLAIN_ROWS such that `_column_major_call`s of 2..k rows split the sum
+    over the input as a one-row `F.linear` does (`_split_sums`) and round the random rows `x` as
+    their one-row calls (`alone`); 0 where 2 rows do not. (On torch 2.13's AMX kernel it holds for
+    2..15 rows of Qwen2.5-1.5B's down projection, not for 16.)"""
+    out_features, in_features = weight.shape
+    one_row = _split_sums(F.linear, out_features, in_features, [1])[0]
+    counts = range(2, PLAIN_ROWS + 1)
+    short = 0
+    for m, split in zip(counts, _split_sums(_column_major_call, out_features, in_features, counts)):
+        if split != one_row or not torch.equal(_column_major_call(x[:m], weight, bias), alone[:m]):
+            break
+        short = m
+    return short
 
 
 @functools.cache

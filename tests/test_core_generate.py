@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2C
 
 from specsuite.core import Draft, DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter, generate
 from specsuite.core import decoder_forward, exact_linear
-from specsuite.core.backend import EXACT_BF16, FP32_CPU, backend_for, choose_backend, use_backend
+from specsuite.core.backend import EXACT_BF16, FP32_CPU, MIN_SHORT_CALL_ROWS, backend_for, choose_backend, use_backend
 from specsuite.core.draft import SizeLadder
 from specsuite.core.exact_attention import NAME as EXACT
 from specsuite.core.verify import tree_attention_mask, verify_greedy
@@ -663,11 +663,36 @@ def test_linear_rows_round_like_one_row_decode_steps_in_bf16():
             alone = torch.cat([torch.nn.functional.linear(x[i: i + 1], weight, b) for i in range(m)])
             assert torch.equal(exact_linear.one_row_rounding(x, weight, b), alone), (out_f, in_f, m)
             plain_differs += not torch.equal(torch.nn.functional.linear(x, weight, b), alone)
-    if exact_linear._form(896, 4864, False) == ("padded", 33):  # the kernel this was found on
+    if exact_linear._form(896, 4864, False)[:2] == ("padded", 33):  # the kernel this was found on
         assert plain_differs
         # and no Qwen layer falls back to one call per row (exact, but a verify step ~1.5x slower)
         assert all(exact_linear._form(*shape).kind == "packed" for shape in QWEN_LINEARS if shape != (896, 4864, False))
-        assert exact_linear._form(*QWEN_15B_DOWN) == ("padded", 192)
+        assert exact_linear._form(*QWEN_15B_DOWN) == ("padded", 192, 15)
+
+
+def test_exact_bf16_drafts_fit_the_short_calls_of_a_wide_down_projection():
+    """A one-layer model with Qwen2.5-1.5B's MLP shapes: where its down projection rounds as
+    one-row calls column-major only up to `short` rows, drafts are capped to fit (the padded calls
+    beyond cost ~1.3x a forward); every row still rounds as a decode step, so the output is greedy's."""
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=1536, intermediate_size=8960, num_hidden_layers=1,
+                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=EXACT, dtype=torch.bfloat16).eval()
+    exact_linear.install(model)
+    rows = exact_linear.short_call_rows(model)
+    down = exact_linear._form(*QWEN_15B_DOWN)
+    assert rows == (down.short if down.kind in ("padded", "rows") and down.short else exact_linear.PLAIN_ROWS)
+    cap = use_backend(model, "exact").draft_sizes
+    assert cap == ((rows - 1,) if MIN_SHORT_CALL_ROWS <= rows < exact_linear.PLAIN_ROWS else (31,))
+    if down == ("padded", 192, 15):  # torch 2.13's AMX kernel, where this was found
+        assert cap == (14,)
+    for i, p in enumerate(prompts(3, seed=21, vocab=512, lengths=(5, 40))):
+        truth = hf_greedy(model, p, 40)
+        out = generate(model, p, OracleTreeDrafter(p, truth, seed=i, vocab=512, depth=(4, 24)), max_new_tokens=30,
+                       eos_token_id=[])
+        assert out.tokens == truth[:30], f"prompt {i}"
+        assert max(out.stats.drafted) <= cap[0]
 
 
 def test_split_sums_finds_where_a_matmul_sums_its_input_apart():
