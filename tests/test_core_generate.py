@@ -681,12 +681,11 @@ def test_exact_bf16_drafts_fit_the_short_calls_of_a_wide_down_projection():
     model = AutoModelForCausalLM.from_config(config, attn_implementation=EXACT, dtype=torch.bfloat16).eval()
     exact_linear.install(model)
     rows = exact_linear.short_call_rows(model)
-    down = exact_linear._form(*QWEN_15B_DOWN)
-    assert rows == (down.short if down.kind in ("padded", "rows") and down.short else exact_linear.PLAIN_ROWS)
+    assert 2 <= rows <= exact_linear.PLAIN_ROWS
     cap = use_backend(model, "exact").draft_sizes
     assert cap == ((rows - 1,) if MIN_SHORT_CALL_ROWS <= rows < exact_linear.PLAIN_ROWS else (31,))
-    if down == ("padded", 192, 15):  # torch 2.13's AMX kernel, where this was found
-        assert cap == (14,)
+    if exact_linear._form(*QWEN_15B_DOWN) == ("padded", 192, 15):  # torch 2.13's AMX kernel, where this was found
+        assert rows == 15 and cap == (14,)
     for i, p in enumerate(prompts(3, seed=21, vocab=512, lengths=(5, 40))):
         truth = hf_greedy(model, p, 40)
         out = generate(model, p, OracleTreeDrafter(p, truth, seed=i, vocab=512, depth=(4, 24)), max_new_tokens=30,
