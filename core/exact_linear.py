@@ -164,7 +164,7 @@ def short_call_rows(model: torch.nn.Module) -> int:
     call per row) takes them column-major only up to its `short` rows."""
     shapes = {(*m.weight.shape, m.bias is not None) for m in model.modules() if isinstance(m, ExactLinear)}
     forms = [_form(*shape) for shape in shapes]
-    return min([f.short for f in forms if f.kind in ("padded", "rows") and f.short], default=PLAIN_ROWS)
+    return min([f.short for f in forms if f.short], default=PLAIN_ROWS)  # only those layers have a `short`
 
 
 class _Form(NamedTuple):
@@ -255,7 +255,8 @@ def _form(out_features: int, in_features: int, bias: bool) -> _Form:
     alone = torch.cat([F.linear(x[i: i + 1], weight, b) for i in range(x.shape[0])])
     forms = [_Form("plain"), *(_Form("padded", width) for width in PAD_WIDTHS)]
     every_count = range(1, PLAIN_ROWS + 1)  # every row count a packed call may take
-    if (_packed_bf16_runs() and _split_sums(F.linear, out_features, in_features, [1]) == [[]]
+    one_row = _split_sums(F.linear, out_features, in_features, [1])[0]  # where a decode step's call splits the sum
+    if (_packed_bf16_runs() and not one_row
             and not any(_split_sums(_packed_call, out_features, in_features, every_count))):
         forms.insert(0, _Form("packed"))
     for form in forms:
@@ -266,17 +267,17 @@ def _form(out_features: int, in_features: int, bias: bool) -> _Form:
     else:
         form = _Form("rows")
     if form.kind in ("padded", "rows"):
-        form = form._replace(short=_column_major_rows(weight, b, x, alone))
+        form = form._replace(short=_column_major_rows(weight, b, x, alone, one_row))
     return form
 
 
-def _column_major_rows(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, alone: torch.Tensor) -> int:
+def _column_major_rows(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, alone: torch.Tensor,
+                       one_row: list[int]) -> int:
     """The most rows k <= PLAIN_ROWS such that `_column_major_call`s of 2..k rows split the sum
-    over the input as a one-row `F.linear` does (`_split_sums`) and round the random rows `x` as
-    their one-row calls (`alone`); 0 where 2 rows do not. (On torch 2.13's AMX kernel it holds for
-    2..15 rows of Qwen2.5-1.5B's down projection, not for 16.)"""
+    over the input where a one-row `F.linear` does (`one_row`, from `_split_sums`) and round the
+    random rows `x` as their one-row calls (`alone`); 0 where 2 rows do not. (On torch 2.13's AMX
+    kernel it holds for 2..15 rows of Qwen2.5-1.5B's down projection, not for 16.)"""
     out_features, in_features = weight.shape
-    one_row = _split_sums(F.linear, out_features, in_features, [1])[0]
     counts = range(2, PLAIN_ROWS + 1)
     short = 0
     for m, split in zip(counts, _split_sums(_column_major_call, out_features, in_features, counts)):
