@@ -7,9 +7,11 @@ the draft verified in the prefill, and whether a prefix cache is lossless.
 - `exact-bf16` (bf16 on the CPU): draft rows round bit for bit as one-token decode steps
   (exact_attention.py, exact_linear.py's `bf16_rows`): no tie guard, output identical to greedy.
 - `fp32-cpu`: every row on the fastest fp32 kernel form for its row count (exact_linear.py's
-  `fp32_linear`; measured once per machine and model by `fp32_forms`); rows differ from plain
-  decoding by ~1e-6, so a near-tie (top two logits within 1e-3) is redone as plain decoding
-  computes it; a ladder of draft sizes that fill the kernel's cheap row counts.
+  `fp32_linear`; measured once per machine and model by `fp32_forms`), attention in one call;
+  rows differ from plain decoding by ~1e-6, so a near-tie (top two logits within 1e-3) is redone
+  as plain decoding computes it; drafts capped by their expected tokens per second under the
+  measured costs (`GoodputCap`); where it pays (`logit_screen_pays`), greedy's logits from a
+  bf16 copy of the output layer, exact where they can matter (logit_screen.py).
 - `plain` (CUDA, fp16, or bf16 where the exact forms cost too much): the model's own multi-row
   forward, as HF's prompt lookup verifies; a tie guard in fp32 only (see PLAIN_TIE_MARGIN).
 
@@ -36,14 +38,16 @@ from .draft import Draft
 from .draft_budget import StepCost, cost_file
 from .exact_attention import NAME as EXACT_ATTENTION, block_rows
 from .exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, bf16_rows, drop_packed, fp32_linear, short_call_rows
+from .logit_screen import ONEDNN_BF16, drop_screen, screen_for
 from .verify import tree_attention_mask
 
 # fp32 on the CPU: a verify step of 2-4 rows costs 1.1-1.2x a one-row step, 5-9 rows ~1.4-1.7x,
 # 16-17 ~2x, 32-33 ~2.7x (`specsuite step-cost`, Qwen2.5-0.5B on an AVX2-only CPU, with
 # exact_linear's fp32 kernels). Replayed on 100 JFLEG outputs with such costs, drafts capped at 3
 # nodes needed about a quarter less decode time than uncapped ones; the ladder, which grows on
-# whole acceptances, did as well there and lets long copies (summaries) draft more. (Replayed again
-# with the oneDNN kernels' costs: other ladders such as (3, 11, 31) within ~3%, uncapped 7% more.)
+# whole acceptances, did as well there and lets long copies (summaries) draft more. It is the cap
+# where no step costs were measured; `choose_backend` gives fp32-cpu the measured ones, and drafts
+# are capped by `GoodputCap` on them (see its replay figures: 5.6% less decode time on the AMX CPU).
 FP32_CPU_DRAFT_SIZES = (3, 7, 15, 31)
 
 # fp32 on the CPU, a prefill is compute-bound: 8 more rows after a 30-row GEC prompt suffix cost
@@ -75,9 +79,13 @@ class Backend:
     forward's rows (see exact_linear.py); None with `exact_rows` off. exact_rows: draft rows run
     as one-token steps would (exact_attention.py). tie_margin: greedy only; a row whose top two
     logits are closer is not trusted and is redone as plain decoding computes it.
-    draft_sizes: a ladder of caps on draft nodes (`SizeLadder`; () for none). prefill_draft: draft
-    nodes verified along with the prompt. plain_steps: prefill and one-token steps compute as
-    plain decoding's do. lossless_prefix_cache: a prefix cache leaves the output unchanged.
+    draft_sizes: a ladder of caps on draft nodes (`SizeLadder`; () for none). draft_cost: measured
+    seconds of a verify forward by row count; with it drafts are capped by `GoodputCap` instead.
+    prefill_draft: draft nodes verified along with the prompt. plain_steps: prefill and one-token
+    steps compute as plain decoding's do. lossless_prefix_cache: a prefix cache leaves the output
+    unchanged. exact_attention: with `exact_rows`, the attention rounds draft rows as one-token
+    steps too (else one sdpa call). logit_screen: greedy forwards take their logits from
+    logit_screen.py's bf16 screen.
     """
 
     name: str
@@ -88,15 +96,22 @@ class Backend:
     prefill_draft: int = 0
     plain_steps: bool = True
     lossless_prefix_cache: bool = False
+    draft_cost: StepCost | None = None
+    exact_attention: bool = True
+    logit_screen: bool = False
 
     def rows(self, block: int, total: int):
         """The context of one forward of `total` rows whose first `block` run as a prefill does."""
-        return block_rows(block, total, self.linear) if self.exact_rows else contextlib.nullcontext()
+        if not self.exact_rows:
+            return contextlib.nullcontext()
+        return block_rows(block, total, self.linear, attention=self.exact_attention)
 
-    def forward(self, model, fresh: list[int], cache: DynamicCache, past: int, draft: Draft | None) -> torch.Tensor:
+    def forward(self, model, fresh: list[int], cache: DynamicCache, past: int, draft: Draft | None,
+                greedy_margin: float | None = None) -> torch.Tensor:
         """One target forward over [fresh tokens..., draft nodes...] after `past` cached tokens.
         Returns (1 + len(draft), vocab) logits: row 0 for the last fresh token (the root), then
-        one per node."""
+        one per node. greedy_margin: the logits serve greedy verification with this tie margin
+        only (their argmax and near-ties), so a `logit_screen` backend may screen them."""
         n = len(draft) if draft else 0
         ids = torch.tensor([fresh + (draft.tokens if draft else [])], device=model.device)
         positions, mask = None, None  # a chain needs no mask: plain causal attention
@@ -112,7 +127,11 @@ class Backend:
             if decoder_forward.supports(model):
                 if positions is None:
                     positions = torch.arange(past, past + ids.shape[1], device=model.device)[None]
-                return decoder_forward.forward(model, ids, cache, positions, mask, n + 1)
+                head = None
+                if self.logit_screen and greedy_margin is not None:
+                    screen = screen_for(model.lm_head)
+                    head = lambda hidden: screen(hidden[0], greedy_margin)[None]  # noqa: E731
+                return decoder_forward.forward(model, ids, cache, positions, mask, n + 1, head=head)
             extra = {} if mask is None else {"position_ids": positions, "attention_mask": mask}
             return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
 
@@ -134,8 +153,12 @@ EXACT_BF16 = Backend("exact-bf16", bf16_rows, exact_rows=True, tie_margin=0.0, d
 # outputs for 50 JFLEG sentences, drafts capped at 14 nodes needed 64.2 s of decoding, at 31
 # 68.6 s, at 11 67.4 s, at 7 72.4 s; so the cap follows the short calls down to this many rows.
 MIN_SHORT_CALL_ROWS = 12
+# fp32-cpu's attention runs all rows in one sdpa call: one call per draft row rounds no closer to
+# plain decoding while the linear layers differ from it anyway (tie guard), and cost 2-4% more
+# (Qwen2.5-1.5B on the AMX CPU: 16 rows 427 vs 419 ms, a prefill of 28 + 16 rows 637 vs 612 ms).
 FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, draft_sizes=FP32_CPU_DRAFT_SIZES,
-                   prefill_draft=FP32_CPU_PREFILL_DRAFT, plain_steps=False, lossless_prefix_cache=True)
+                   prefill_draft=FP32_CPU_PREFILL_DRAFT, plain_steps=False, lossless_prefix_cache=True,
+                   exact_attention=False)
 # A redone row inherits KV that multi-row calls wrote. In fp32 that drift is ~1e-6, so redoing rows
 # within 1e-3 settles near-ties as plain decoding does. In bf16 it is not: multi-row rows differ
 # from one-token steps by up to ~0.17 (Qwen2.5-0.5B), and with a 0.25 guard Qwen2.5-1.5B was slower
@@ -160,7 +183,9 @@ def choose_backend(model, kind: str = "auto") -> Backend:
     if kind == "plain" or not cpu or not exact_installed or model.dtype not in (torch.bfloat16, torch.float32):
         return plain_backend(model.dtype)
     if model.dtype == torch.float32:
-        return replace(FP32_CPU, linear=functools.partial(fp32_linear, forms=fp32_forms(model)))
+        backend = replace(FP32_CPU, linear=functools.partial(fp32_linear, forms=fp32_forms(model)),
+                          draft_cost=fp32_step_cost(model))
+        return replace(backend, logit_screen=True) if logit_screen_pays(model, backend) else backend
     if kind == "exact" or exact_is_affordable(model):
         rows = short_call_rows(model)
         return replace(EXACT_BF16, draft_sizes=(rows - 1,)) if MIN_SHORT_CALL_ROWS <= rows < PLAIN_ROWS else EXACT_BF16
@@ -202,7 +227,7 @@ def measure_forward_costs(model, backends: list[Backend], rows: list[int], conte
                     tokens = torch.randint(0, vocab, (k,), generator=gen).tolist()
                     draft = Draft.chain(tokens[1:]) if k > 1 else None
                     start = time.perf_counter()
-                    backend.forward(model, tokens[:1], cache, context, draft)
+                    backend.forward(model, tokens[:1], cache, context, draft, greedy_margin=backend.tie_margin)
                     if rep:
                         times[backend.name][k].append(time.perf_counter() - start)
                     cache.crop(-k)
@@ -226,18 +251,50 @@ def _measured(model, measure: str, backends: list[Backend], rows: list[int]) -> 
     return costs
 
 
-def fp32_forms(model) -> tuple[str, ...]:
-    """The fastest fp32 kernel form (`exact_linear.FP32_FORMS`) for each of FP32_ROW_BUCKETS row
-    counts, from verify forwards timed in each form (once per machine and model, kept on disk;
-    on the AMX CPU 11.5 s for Qwen2.5-0.5B, 32.4 s for Qwen2.5-1.5B)."""
+def _fp32_form_costs(model) -> dict[str, dict[int, float]]:
+    """Seconds of a verify forward of each of FP32_ROW_BUCKETS rows in each fp32 kernel form
+    (`exact_linear.FP32_FORMS`): {form: {rows: s}} (measured once per machine and model, kept on
+    disk; on the AMX CPU 11.5 s for Qwen2.5-0.5B, 32.4 s for Qwen2.5-1.5B)."""
     backends = [replace(FP32_CPU, name=form,
                         linear=functools.partial(fp32_linear, forms=(form,) * len(FP32_ROW_BUCKETS)))
                 for form in FP32_FORMS]
-    costs = _measured(model, "fp32-forms", backends, list(FP32_ROW_BUCKETS))
+    return _measured(model, "fp32-forms", backends, list(FP32_ROW_BUCKETS))
+
+
+def fp32_forms(model) -> tuple[str, ...]:
+    """The fastest fp32 kernel form for each of FP32_ROW_BUCKETS row counts (`_fp32_form_costs`)."""
+    costs = _fp32_form_costs(model)
     forms = tuple(min(FP32_FORMS, key=lambda form: costs[form][rows]) for rows in FP32_ROW_BUCKETS)
     if "packed" not in forms:
         drop_packed(model)  # a second copy of the weights
     return forms
+
+
+def fp32_step_cost(model) -> StepCost:
+    """The cost of a verify forward by row count, each row count in its fastest fp32 form."""
+    costs = _fp32_form_costs(model)
+    return StepCost({rows: min(per_rows[rows] for per_rows in costs.values()) for rows in FP32_ROW_BUCKETS})
+
+
+# The logit screen is kept where fp32-cpu forwards with it cost less, summed over these row counts.
+SCREEN_ROWS = (1, 8, 32)
+
+
+def logit_screen_pays(model, backend: Backend) -> bool:
+    """Whether `backend`'s greedy forwards cost less with the logit screen (logit_screen.py): only
+    where oneDNN runs bf16 and the model's output layer is an fp32 `Linear` without bias; measured
+    once per machine and model (kept on disk). Qwen2.5-1.5B on the AMX CPU: 1, 8, 32 rows
+    FIXME."""
+    head = getattr(model, "lm_head", None)
+    if not (ONEDNN_BF16 and decoder_forward.supports(model)
+            and isinstance(head, torch.nn.Linear) and head.bias is None and head.weight.dtype == torch.float32):
+        return False
+    screened = replace(backend, name=f"{backend.name}+logit-screen", logit_screen=True)
+    costs = _measured(model, "fp32-logit-screen", [backend, screened], list(SCREEN_ROWS))
+    pays = sum(costs[screened.name].values()) < sum(costs[backend.name].values())
+    if not pays:
+        drop_screen(head)  # a bf16 copy of the weights
+    return pays
 
 
 def exact_is_affordable(model) -> bool:

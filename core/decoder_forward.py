@@ -42,10 +42,11 @@ def causal_mask(past: int, rows: int) -> torch.Tensor | None:
 
 
 def forward(model, ids: torch.Tensor, cache: DynamicCache, position_ids: torch.Tensor,
-            attention_mask: torch.Tensor | None, logits_to_keep: int) -> torch.Tensor:
+            attention_mask: torch.Tensor | None, logits_to_keep: int, head=None) -> torch.Tensor:
     """ids, position_ids (1, T); attention_mask: a (1, 1, T, past + T) bool mask, or None for causal
     attention. Appends the T tokens' keys and values to `cache`; returns the logits of the last
-    `logits_to_keep` rows, (logits_to_keep, vocab)."""
+    `logits_to_keep` rows, (logits_to_keep, vocab). head: computes the logits from the final
+    hidden states (1, rows, dim) in place of `model.lm_head`."""
     body = model.model
     rotate = sys.modules[type(model).__module__].apply_rotary_pos_emb
     attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
@@ -65,4 +66,4 @@ def forward(model, ids: torch.Tensor, cache: DynamicCache, position_ids: torch.T
         out, _ = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling)
         x = x + attn.o_proj(out.reshape(*h.shape[:-1], -1).contiguous())
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(body.norm(x)[:, -logits_to_keep:])[0]
+    return (head or model.lm_head)(body.norm(x)[:, -logits_to_keep:])[0]

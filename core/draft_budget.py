@@ -1,5 +1,6 @@
-"""How many draft rows a batched step should verify: the measured cost of a step by its row count
-(`StepCost`) and the cap that gives the most expected tokens per second (`DraftBudget`)."""
+"""How many draft rows a step should verify: the measured cost of a step by its row count
+(`StepCost`) and the cap that gives the most expected tokens per second, for a batch
+(`DraftBudget`) or one sequence (`GoodputCap`)."""
 
 from __future__ import annotations
 
@@ -82,18 +83,23 @@ class DraftBudget:
         self.cost, self.prior = cost, prior
 
     def cap(self, fresh_rows: int, drafts: list[Draft | None], rates: list[float]) -> int:
-        best, best_rate = 0, -1.0
-        for c in self.CAPS:
+        return self.best_cap(fresh_rows, [len(d) if d is not None else 0 for d in drafts], rates)
+
+    def best_cap(self, fresh_rows: int, sizes: list[int], rates: list[float], caps: tuple[int, ...] = CAPS) -> int:
+        """The cap of `caps` for drafts of `sizes` nodes (0: none) whose step gives the most
+        expected tokens per second."""
+        best, best_rate = caps[0], -1.0
+        for c in caps:
             rows = fresh_rows
-            gain = float(len(drafts))
-            for d, a in zip(drafts, rates):
-                k = min(c, len(d)) if d is not None else 0
+            gain = float(len(sizes))
+            for size, a in zip(sizes, rates):
+                k = min(c, size)
                 rows += k
                 gain += a * (1 - a ** k) / (1 - a) if a < 1 else k
             rate = gain / self.cost(rows)
             if rate > best_rate * 1.0001:  # ties: the smaller cap
                 best, best_rate = c, rate
-            if all(d is None or len(d) <= c for d in drafts):
+            if all(size <= c for size in sizes):
                 break
         return best
 
@@ -101,3 +107,31 @@ class DraftBudget:
         """Acceptance rate of a sequence's drafts so far (`accepted` of `offered` tokens), starting
         from the prior, clamped below 1."""
         return min(0.98, (accepted + 4 * self.prior) / (offered + 4))
+
+
+class GoodputCap:
+    """A cap on one sequence's draft nodes, as `DraftBudget` picks it for a lone sequence: its
+    drafts' nodes pass verification at the rate `a` seen so far (counted over the nodes tried up
+    to the first rejection: a geometric model of acceptance), a cap of c nodes gains
+    sum(a^i, i = 1..c) tokens and costs `cost(1 + c)`. An alternative to `draft.SizeLadder`, with
+    the same interface, for kernels whose measured cost per row is known.
+
+    Replayed on Qwen2.5-1.5B's greedy outputs for 50 JFLEG sentences with its fp32 step costs on
+    the AMX CPU (1, 8, 32 rows: 246, 337, 575 ms), 117.8 s of modelled decoding against 124.8 s with
+    the (3, 7, 15, 31) ladder; with AVX2-like costs (1, 8, 32 rows: 1.0, 1.6, 2.7 x) 274.0 against
+    278.7. Prior 0.9: 0.85 and 0.95 were within 1% (0.7 took 3% more)."""
+
+    def __init__(self, cost: StepCost, prior: float = 0.9) -> None:
+        self.budget = DraftBudget(cost, prior)
+        self.accepted = self.tried = 0
+
+    @property
+    def value(self) -> int:
+        caps = DraftBudget.CAPS[1:]  # at least one node: a sequence that stops drafting learns nothing
+        rate = self.budget.rate(self.accepted, self.tried)
+        return self.budget.best_cap(1, [caps[-1]], [rate], caps)
+
+    def update(self, accepted: int, deepest: int) -> None:
+        """The last draft, `deepest` nodes deep, had `accepted` tokens verified."""
+        self.accepted += accepted
+        self.tried += min(deepest, accepted + 1)

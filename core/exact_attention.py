@@ -28,19 +28,20 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specsuite_exact"
 
-# (leading plain rows, all rows, memo, linear form) of the current forward: the prompt/fresh tokens,
-# then the draft; the memo keeps what every layer of the forward would otherwise work out again;
-# the linear form is how `exact_linear.ExactLinear` computes the rows (None: plain F.linear).
+# (leading plain rows, all rows, memo, linear form, exact attention) of the current forward: the
+# prompt/fresh tokens, then the draft; the memo keeps what every layer of the forward would otherwise
+# work out again; the linear form is how `exact_linear.ExactLinear` computes the rows (None: plain
+# F.linear); exact attention False: one plain sdpa call for all rows.
 _block_rows: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("specsuite_block_rows", default=None)
 
 
 @contextlib.contextmanager
-def block_rows(n: int, total: int, linear=None):
+def block_rows(n: int, total: int, linear=None, attention: bool = True):
     """Within this context, forwards of `total` rows compute their first `n` rows as one block, as a
-    prefill does, and the others each as a one-token decode step would (attention and, with
-    `linear`, a function (layer, x, block) -> y, the `ExactLinear` layers). One context per forward;
-    a `core.backend.Backend` opens it."""
-    token = _block_rows.set((n, total, {}, linear))
+    prefill does, and the others each as a one-token decode step would (attention, unless
+    `attention` is False, and, with `linear`, a function (layer, x, block) -> y, the `ExactLinear`
+    layers). One context per forward; a `core.backend.Backend` opens it."""
+    token = _block_rows.set((n, total, {}, linear, attention))
     try:
         yield
     finally:
@@ -63,8 +64,8 @@ def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                     attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
     """query (b, heads, q, d), key/value (b, kv_heads, kv, d) -> ((b, q, heads, d), None)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    rows = current_rows()
-    block = rows[0] if rows else None
+    rows = _block_rows.get()
+    block = rows[0] if rows and rows[4] else None
     if q_len == 1 or block is None or (block >= q_len and block == kv_len):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv_len - q_len

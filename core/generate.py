@@ -62,7 +62,8 @@ class _OneSequence(BatchEngine):
         if seq.length == 0 and self.cache.get_seq_length():  # the prefill again, after a near-tie
             self.cache = DynamicCache(config=self.model.config)
         backend = self.plain if seq.redo else self.backend
-        return backend.forward(self.model, seq.fresh, self.cache, seq.length, draft)
+        return backend.forward(self.model, seq.fresh, self.cache, seq.length, draft,
+                               greedy_margin=seq.tie_margin if seq.sampling is None else None)
 
     def _keep(self, slot: int, seq: _Sequence, base: int, path: list[int], prefilled: bool) -> None:
         if seq.length == 0:  # the prefill runs again
@@ -100,8 +101,9 @@ def generate(
     `tokenizer`. prefix_cache: an optional `PrefixCache` that reuses the KV of a shared prompt prefix.
     The model's backend (`backend_for`) computes the forwards and sets the defaults of:
     tie_margin (greedy only; rows whose top two logits are closer are recomputed as plain decoding
-    does), draft_sizes (a ladder of caps on draft nodes, see `SizeLadder`; () for none) and
-    prefill_draft (draft nodes verified in the prefill's forward).
+    does), draft_sizes (a ladder of caps on draft nodes, see `SizeLadder`; () for none; where the
+    backend measured its step costs and draft_sizes is not given, drafts are capped by
+    `GoodputCap` instead) and prefill_draft (draft nodes verified in the prefill's forward).
     """
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
@@ -118,7 +120,8 @@ def generate(
     request = Request(list(prompt), drafter, max_new_tokens, sampling, generator, on_step, tuple(stop_strings), tokenizer,
                       backend.tie_margin if tie_margin is None else tie_margin,
                       backend.draft_sizes if draft_sizes is None else tuple(draft_sizes),
-                      backend.prefill_draft if prefill_draft is None else prefill_draft)
+                      backend.prefill_draft if prefill_draft is None else prefill_draft,
+                      backend.draft_cost if draft_sizes is None else None)
     ((_, result),) = _OneSequence(model, eos_token_id, tokenizer, backend, prefix_cache).run([request])
     if isinstance(result, Exception):
         raise result

@@ -14,6 +14,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from .draft import Draft, Drafter, NoDrafter, SizeLadder, propose_within
+from .draft_budget import GoodputCap, StepCost
 from .verify import Sampling, top_two, verify_greedy, verify_sample, warp
 
 # Called after every step with the new tokens and, per token, whether it came from an accepted draft.
@@ -75,7 +76,8 @@ class Request:
     tie_margin (greedy only): a root row computed otherwise than plain decoding's whose top two
     logits are closer is redone as plain decoding computes it (see `core.backend`).
     draft_sizes: a ladder of caps on draft nodes (`SizeLadder`; () for none).
-    prefill_draft: a cap on the draft verified with the prompt (None: the drafter's whole draft)."""
+    prefill_draft: a cap on the draft verified with the prompt (None: the drafter's whole draft).
+    draft_cost: the step cost by row count; with it drafts are capped by `GoodputCap`, not a ladder."""
 
     prompt: list[int]
     drafter: Drafter | None = None
@@ -88,6 +90,7 @@ class Request:
     tie_margin: float = 0.0
     draft_sizes: tuple[int, ...] = ()
     prefill_draft: int | None = None
+    draft_cost: StepCost | None = None
 
 
 def eos_token_ids(model, tokenizer=None) -> set[int]:
@@ -152,7 +155,9 @@ class Sequence:
         self.drafter = request.drafter or NoDrafter()
         self.max_new_tokens = min(request.max_new_tokens, context - len(prompt))
         self.tie_margin = 0.0 if request.sampling is not None else request.tie_margin
-        self.ladder = SizeLadder(request.draft_sizes) if request.draft_sizes else None
+        # the cap on draft nodes after the prefill (None: none), updated after every draft
+        self.size_cap = (GoodputCap(request.draft_cost) if request.draft_cost is not None
+                         else SizeLadder(request.draft_sizes) if request.draft_sizes else None)
         self.length = cached
         self.fresh, self.seq = prompt[cached:], list(prompt)
         self.new: list[int] = []
@@ -175,10 +180,10 @@ class Sequence:
         return not self.stats.accepted
 
     def propose(self, vocab: int) -> Draft | None:
-        """The drafter's draft, cut to the room left and to the prefill's or the ladder's cap
+        """The drafter's draft, cut to the room left and to the prefill's or `size_cap`'s cap
         (none while a near-tie is redone)."""
         t0 = time.perf_counter()
-        cap = self.request.prefill_draft if self.prefilling else self.ladder.value if self.ladder else None
+        cap = self.request.prefill_draft if self.prefilling else self.size_cap.value if self.size_cap else None
         draft = None if self.redo else propose_within(self.drafter, self.seq, self.room, vocab, cap)
         self.draft_s = time.perf_counter() - t0
         return draft
@@ -239,8 +244,8 @@ class Sequence:
             self.offered += min(n, max(draft.depths))
             self.accepted += len(path)
         self.drafter.update(draft, path)
-        if self.ladder is not None and n:
-            self.ladder.update(len(path), max(draft.depths))
+        if self.size_cap is not None and n:
+            self.size_cap.update(len(path), max(draft.depths))
         step, flags = [draft.tokens[i] for i in path], [True] * len(path)
         self.redo = nxt is None
         if self.redo:  # a near-tie: the last position again, alone and without a draft

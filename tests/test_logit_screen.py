@@ -1,0 +1,69 @@
+"""Greedy's logits screened by a bf16 copy of the output layer (core/logit_screen.py): the argmax
+and the near-tie test stay those of the fp32 logits, and generate() stays greedy's with it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from specsuite.core import generate
+from specsuite.core.backend import SCREEN_ROWS, backend_for, use_backend
+from specsuite.core.draft_budget import StepCost, cost_file
+from specsuite.core.logit_screen import ONEDNN_BF16, LogitScreen
+from specsuite.core.verify import top_two
+from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
+
+MARGIN = 1e-3
+
+
+def test_screened_logits_keep_the_fp32_argmax_and_near_ties():
+    """Random rows, and rows made to end on a near-tie (top two 5e-4 apart) or just clear of one
+    (5e-3): the screened argmax and near-tie test are the fp32 ones; the tokens it computed in
+    fp32 are fp32 dot products, and every other score is more than the margin below the best."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, dim = 4096, 256
+    weight = torch.randn(vocab, dim, generator=gen) * 0.05
+    hidden = torch.randn(24, dim, generator=gen) * 4
+    full = torch.nn.functional.linear(hidden, weight)
+    # rows 0-7: the best token gets a twin 5e-4 below it; rows 8-15: 5e-3 below
+    for row in range(16):
+        best, twin = int(full[row].argmax()), (int(full[row].argmax()) + 1 + row) % vocab
+        gap = 5e-4 if row < 8 else 5e-3
+        h = hidden[row]
+        weight[twin] = weight[best] - gap * h / h.dot(h)
+    full = torch.nn.functional.linear(hidden, weight)
+    screen = LogitScreen(weight)
+    screened = screen(hidden, MARGIN)
+    best_full, first_full, second_full = top_two(full)
+    best, first, second = top_two(screened)
+    assert torch.equal(best, best_full)
+    near = (first - second) < MARGIN
+    assert torch.equal(near, (first_full - second_full) < MARGIN)
+    assert near[:8].all() and not near[8:16].any()
+    torch.testing.assert_close(first, first_full, rtol=0, atol=1e-4)
+    computed = screened != screen.bf16_scores(hidden).float()
+    rows, tokens = computed.nonzero(as_tuple=True)
+    torch.testing.assert_close(screened[rows, tokens], (hidden[rows] * weight[tokens]).sum(1))
+    others = ~computed
+    assert (screened[others] < (first[:, None].expand_as(screened)[others] - MARGIN)).all()
+
+
+def test_generate_with_the_logit_screen_is_greedy(tmp_path, monkeypatch):
+    """The screen is kept where the measured forwards cost less with it (and bf16 runs in
+    hardware); forced on, generate()'s output is greedy's, trees and near-tie guard included."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
+    model = tiny_model("qwen2", max_positions=512)
+    plain = use_backend(model, "auto")
+    rows = list(SCREEN_ROWS)
+    StepCost(dict.fromkeys(rows, 1.0)).save(cost_file(model, measure=f"fp32-logit-screen:{plain.name}"))
+    StepCost(dict.fromkeys(rows, 0.5)).save(cost_file(model, measure=f"fp32-logit-screen:{plain.name}+logit-screen"))
+    assert use_backend(model, "auto").logit_screen == ONEDNN_BF16
+    # forced on where it would not be chosen, so that every CPU checks what it computes
+    model.specsuite_backend = ("auto", (model.dtype, model.device), replace(plain, logit_screen=True))
+    assert backend_for(model).logit_screen
+    for i, p in enumerate(prompts(6, seed=31, lengths=(3, 120))):
+        truth = hf_greedy(model, p, 40)
+        out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[])
+        assert out.tokens == truth[:30], i
