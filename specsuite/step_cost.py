@@ -50,7 +50,7 @@ def _cmd(args: argparse.Namespace) -> int:
     print(f"verify forward cost · {args.model} ({str(model.dtype).replace('torch.', '')}) · "
           f"{args.context} cached tokens · median of {args.reps} · {torch.get_num_threads()} threads")
     print(format_costs(costs))
-    print(f"generate() runs the {backend_for(model).name!r} backend for this model here")
+    print(f"generate() runs the {backend_for(model).label!r} backend for this model here")
     return 0
 
 

@@ -62,7 +62,7 @@ def test_generate_with_the_logit_screen_is_greedy(tmp_path, monkeypatch):
     assert use_backend(model, "auto").logit_screen == ONEDNN_BF16
     # forced on where it would not be chosen, so that every CPU checks what it computes
     model.specsuite_backend = ("auto", (model.dtype, model.device), replace(plain, logit_screen=True))
-    assert backend_for(model).logit_screen
+    assert backend_for(model).logit_screen and backend_for(model).label == "fp32-cpu + logit screen"
     for i, p in enumerate(prompts(6, seed=31, lengths=(3, 120))):
         truth = hf_greedy(model, p, 40)
         out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[])
