@@ -8,8 +8,9 @@ from dataclasses import replace
 import torch
 
 from specsuite.core import generate
-from specsuite.core.backend import SCREEN_ROWS, backend_for, use_backend
+from specsuite.core.backend import LOGIT_SCREEN_COSTS, backend_for, use_backend
 from specsuite.core.draft_budget import StepCost, cost_file
+from specsuite.core.exact_linear import FP32_ROW_BUCKETS
 from specsuite.core.logit_screen import ONEDNN_BF16, LogitScreen
 from specsuite.core.verify import top_two
 from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
@@ -51,15 +52,20 @@ def test_screened_logits_keep_the_fp32_argmax_and_near_ties():
 
 def test_generate_with_the_logit_screen_is_greedy(tmp_path, monkeypatch):
     """The screen is kept where the measured forwards cost less with it (and bf16 runs in
-    hardware); forced on, generate()'s output is greedy's, trees and near-tie guard included."""
+    hardware), and drafts are capped on those forwards' costs; forced on, generate()'s output is
+    greedy's, trees and near-tie guard included."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
     model = tiny_model("qwen2", max_positions=512)
     plain = use_backend(model, "auto")
-    rows = list(SCREEN_ROWS)
-    StepCost(dict.fromkeys(rows, 1.0)).save(cost_file(model, measure=f"fp32-logit-screen:{plain.name}"))
-    StepCost(dict.fromkeys(rows, 0.5)).save(cost_file(model, measure=f"fp32-logit-screen:{plain.name}+logit-screen"))
-    assert use_backend(model, "auto").logit_screen == ONEDNN_BF16
+    rows = list(FP32_ROW_BUCKETS)
+    StepCost(dict.fromkeys(rows, 1.0)).save(cost_file(model, measure=f"{LOGIT_SCREEN_COSTS}:{plain.name}"))
+    screened_costs = {r: 0.5 + 0.01 * r for r in rows}
+    StepCost(screened_costs).save(cost_file(model, measure=f"{LOGIT_SCREEN_COSTS}:{plain.name}+logit-screen"))
+    chosen = use_backend(model, "auto")
+    assert chosen.logit_screen == ONEDNN_BF16 and chosen.name == plain.name
+    if chosen.logit_screen:  # its drafts are capped on the costs of the screened forwards
+        assert chosen.draft_cost.secs == list(screened_costs.values())
     # forced on where it would not be chosen, so that every CPU checks what it computes
     model.specsuite_backend = ("auto", (model.dtype, model.device), replace(plain, logit_screen=True))
     assert backend_for(model).logit_screen and backend_for(model).label == "fp32-cpu + logit screen"
