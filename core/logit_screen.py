@@ -51,14 +51,13 @@ class LogitScreen:
     def __call__(self, hidden: torch.Tensor, margin: float) -> torch.Tensor:
         """hidden (m, dim) fp32 -> (m, vocab) fp32 logits: exact (an fp32 dot product) for every
         token within `margin` of the best by the bound, the bf16 score elsewhere."""
-        scores = self.bf16_scores(hidden)
-        low, best = (t.float() for t in torch.aminmax(scores, dim=1, keepdim=True))
+        logits = self.bf16_scores(hidden).float()  # fp32 reductions run faster than bf16 ones
+        best, low = logits.amax(dim=1, keepdim=True), logits.amin(dim=1, keepdim=True)
         bound = (self.product_error * hidden.norm(dim=1, keepdim=True)
                  + U_BF16 / (1 - U_BF16) * torch.maximum(best.abs(), low.abs()) + 1e-5)  # 1e-5: denormals
         # the best fp32 logit is >= best - bound; a token can reach within margin of it only if
         # its score + bound >= best - bound - margin
-        rows, tokens = torch.nonzero(scores >= best - 2 * bound - margin, as_tuple=True)
-        logits = scores.float()
+        rows, tokens = torch.nonzero(logits >= best - 2 * bound - margin, as_tuple=True)
         logits[rows, tokens] = (hidden[rows] * self.weight[tokens]).sum(dim=1)
         return logits
 
