@@ -37,8 +37,9 @@ from . import decoder_forward
 from .draft import Draft
 from .draft_budget import StepCost, cost_file
 from .exact_attention import NAME as EXACT_ATTENTION, block_rows
-from .exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, bf16_rows, drop_packed, fp32_linear, short_call_rows
-from .logit_screen import ONEDNN_BF16, drop_screen, screen_for
+from .exact_linear import (FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, bf16_rows, drop_packed, fp32_linear, packed_bf16_runs,
+                           short_call_rows)
+from .logit_screen import drop_screen, screen_for
 from .verify import tree_attention_mask
 
 # fp32 on the CPU: a verify step of 2-4 rows costs 1.1-1.2x a one-row step, 5-9 rows ~1.4-1.7x,
@@ -287,13 +288,13 @@ def fp32_backend(model) -> Backend:
     """`fp32-cpu` for `model`: the kernel forms measured for it (`fp32_forms`); the logit screen
     (logit_screen.py) where its greedy forwards cost less with it, timed once per machine and
     model at FP32_ROW_BUCKETS rows (kept on disk); drafts capped (`GoodputCap`) on the measured
-    costs of the forwards it runs. The screen is tried only where oneDNN runs bf16 in hardware and
-    the output layer is an fp32 `Linear` without bias. Qwen2.5-1.5B on the AMX CPU, ad hoc: 17, 23
+    costs of the forwards it runs. The screen is tried only where oneDNN runs bf16 calls on packed
+    weights (`exact_linear.packed_bf16_runs`) and the output layer is an fp32 `Linear` without bias. Qwen2.5-1.5B on the AMX CPU, ad hoc: 17, 23
     and 47 ms less at 1, 8 and 32 rows (of 246, 337, 575 ms); capping its drafts on the screened
     costs rather than the unscreened ones took 2.6% less time on 30 JFLEG sentences (A/B)."""
     backend = replace(FP32_CPU, linear=functools.partial(fp32_linear, forms=fp32_forms(model)))
     head = getattr(model, "lm_head", None)
-    if not (ONEDNN_BF16 and decoder_forward.supports(model) and isinstance(head, torch.nn.Linear)
+    if not (packed_bf16_runs() and decoder_forward.supports(model) and isinstance(head, torch.nn.Linear)
             and head.bias is None and head.weight.dtype == torch.float32):
         return replace(backend, draft_cost=fp32_step_cost(model))
     screened = replace(backend, name=f"{backend.name}+logit-screen", logit_screen=True)

@@ -256,7 +256,7 @@ def _form(out_features: int, in_features: int, bias: bool) -> _Form:
     forms = [_Form("plain"), *(_Form("padded", width) for width in PAD_WIDTHS)]
     every_count = range(1, PLAIN_ROWS + 1)  # every row count a packed call may take
     one_row = _split_sums(F.linear, out_features, in_features, [1])[0]  # where a decode step's call splits the sum
-    if (_packed_bf16_runs() and not one_row
+    if (packed_bf16_runs() and not one_row
             and not any(_split_sums(_packed_call, out_features, in_features, every_count))):
         forms.insert(0, _Form("packed"))
     for form in forms:
@@ -288,7 +288,7 @@ def _column_major_rows(weight: torch.Tensor, bias: torch.Tensor | None, x: torch
 
 
 @functools.cache
-def _packed_bf16_runs() -> bool:
+def packed_bf16_runs() -> bool:
     """Whether oneDNN runs bf16 calls on packed weights here (torch refuses them on a CPU without
     avx512 or avx_ne_convert, e.g. AVX2-only)."""
     if not ONEDNN:

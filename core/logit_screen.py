@@ -22,9 +22,8 @@ import weakref
 
 import torch
 
-from .exact_linear import ONEDNN
+from .exact_linear import packed_bf16_runs
 
-ONEDNN_BF16 = ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # bf16 in hardware (avx512/AMX)
 U_BF16 = 2.0 ** -8  # unit roundoff of bf16 (8 significant bits)
 U_FP32 = 2.0 ** -24
 
@@ -35,7 +34,8 @@ class LogitScreen:
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.detach()
         self.bf16 = self.weight.to(torch.bfloat16)
-        if ONEDNN_BF16:  # packed once: a plain call repacks the weights every time
+        self.packed = packed_bf16_runs()
+        if self.packed:  # packed once: a plain call repacks the weights every time
             self.bf16 = torch.ops.mkldnn._reorder_linear_weight(self.bf16, 32)
         dim = weight.shape[1]
         gamma = dim * U_FP32 / (1 - dim * U_FP32)
@@ -44,7 +44,7 @@ class LogitScreen:
     def bf16_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """(m, dim) -> (m, vocab) bf16 scores."""
         hidden = hidden.to(torch.bfloat16)
-        if ONEDNN_BF16:
+        if self.packed:
             return torch.ops.mkldnn._linear_pointwise(hidden, self.bf16, None, "none", [], "")
         return torch.nn.functional.linear(hidden, self.bf16)  # fp32 sums too, slower
 

@@ -740,10 +740,10 @@ def test_exact_linear_does_without_packed_calls_where_onednn_refuses_them(monkey
         raise RuntimeError("mkldnn_linear: bf16 path needs the cpu support avx_ne_convert or avx512bw")
 
     monkeypatch.setattr(exact_linear, "_packed_call", refused)
-    for cached in (exact_linear._packed_bf16_runs, exact_linear._form):
+    for cached in (exact_linear.packed_bf16_runs, exact_linear._form):
         cached.cache_clear()
     try:
-        assert not exact_linear._packed_bf16_runs()
+        assert not exact_linear.packed_bf16_runs()
         gen = torch.Generator().manual_seed(4)
         weight = (torch.randn(128, 896, generator=gen) * 896 ** -0.5).bfloat16()
         x = torch.randn(9, 896, generator=gen).bfloat16()
@@ -752,7 +752,7 @@ def test_exact_linear_does_without_packed_calls_where_onednn_refuses_them(monkey
         assert torch.equal(exact_linear.one_row_rounding(x, weight, None), alone)
     finally:  # the forms of this machine again for the other tests
         monkeypatch.undo()
-        for cached in (exact_linear._packed_bf16_runs, exact_linear._form):
+        for cached in (exact_linear.packed_bf16_runs, exact_linear._form):
             cached.cache_clear()
 
 

@@ -10,8 +10,8 @@ import torch
 from specsuite.core import generate
 from specsuite.core.backend import LOGIT_SCREEN_COSTS, backend_for, use_backend
 from specsuite.core.draft_budget import StepCost, cost_file
-from specsuite.core.exact_linear import FP32_ROW_BUCKETS
-from specsuite.core.logit_screen import ONEDNN_BF16, LogitScreen
+from specsuite.core.exact_linear import FP32_ROW_BUCKETS, packed_bf16_runs
+from specsuite.core.logit_screen import LogitScreen
 from specsuite.core.verify import top_two
 from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
@@ -63,7 +63,7 @@ def test_generate_with_the_logit_screen_is_greedy(tmp_path, monkeypatch):
     screened_costs = {r: 0.5 + 0.01 * r for r in rows}
     StepCost(screened_costs).save(cost_file(model, measure=f"{LOGIT_SCREEN_COSTS}:{plain.name}+logit-screen"))
     chosen = use_backend(model, "auto")
-    assert chosen.logit_screen == ONEDNN_BF16 and chosen.name == plain.name
+    assert chosen.logit_screen == packed_bf16_runs() and chosen.name == plain.name
     if chosen.logit_screen:  # its drafts are capped on the costs of the screened forwards
         assert chosen.draft_cost.secs == list(screened_costs.values())
     # forced on where it would not be chosen, so that every CPU checks what it computes
