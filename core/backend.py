@@ -289,9 +289,10 @@ def fp32_backend(model) -> Backend:
     (logit_screen.py) where its greedy forwards cost less with it, timed once per machine and
     model at FP32_ROW_BUCKETS rows (kept on disk); drafts capped (`GoodputCap`) on the measured
     costs of the forwards it runs. The screen is tried only where oneDNN runs bf16 calls on packed
-    weights (`exact_linear.packed_bf16_runs`) and the output layer is an fp32 `Linear` without bias. Qwen2.5-1.5B on the AMX CPU, ad hoc: 17, 23
-    and 47 ms less at 1, 8 and 32 rows (of 246, 337, 575 ms); capping its drafts on the screened
-    costs rather than the unscreened ones took 2.6% less time on 30 JFLEG sentences (A/B)."""
+    weights (`exact_linear.packed_bf16_runs`) and the output layer is an fp32 `Linear` without
+    bias. Qwen2.5-1.5B on the AMX CPU, ad hoc: 17, 23 and 47 ms less at 1, 8 and 32 rows (of 246,
+    337, 575 ms); capping its drafts on the screened costs rather than the unscreened ones took
+    2.6% less time on 30 JFLEG sentences (A/B)."""
     backend = replace(FP32_CPU, linear=functools.partial(fp32_linear, forms=fp32_forms(model)))
     head = getattr(model, "lm_head", None)
     if not (packed_bf16_runs() and decoder_forward.supports(model) and isinstance(head, torch.nn.Linear)
