@@ -118,11 +118,17 @@ PACK_ROWS = 32  # the row count oneDNN lays the packed weights out for (any coun
 _packed: dict[int, tuple] = {}  # id(weight) -> (its version, packed); dropped with the weight
 
 
+def weight_state(weight: torch.Tensor) -> tuple:
+    """What tells a copy made from `weight` is stale: where its data is, how often it was changed
+    in place, its dtype."""
+    version = None if weight.is_inference() else weight._version  # inference tensors keep none
+    return weight.data_ptr(), version, weight.dtype
+
+
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` packed for oneDNN, made on first use and again whenever the weight changes.
     Kept outside the module, so that copying or saving the model never meets the opaque tensor."""
-    version = None if weight.is_inference() else weight._version  # inference tensors keep none
-    key = (weight.data_ptr(), version, weight.dtype)
+    key = weight_state(weight)
     entry = _packed.get(id(weight))
     if entry is None or entry[0] != key:
         if entry is None:

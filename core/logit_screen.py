@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from .exact_linear import packed_bf16_runs
+from .exact_linear import packed_bf16_runs, weight_state
 
 U_BF16 = 2.0 ** -8  # unit roundoff of bf16 (8 significant bits)
 U_FP32 = 2.0 ** -24
@@ -32,7 +32,7 @@ class LogitScreen:
     """logits = screen(hidden, margin) for an output layer `weight` (vocab, dim) in fp32, no bias."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight.detach()
+        self.weight, self.state = weight.detach(), weight_state(weight)
         self.bf16 = self.weight.to(torch.bfloat16)
         self.packed = packed_bf16_runs()
         if self.packed:  # packed once: a plain call repacks the weights every time
@@ -67,9 +67,9 @@ _screens: dict[int, LogitScreen] = {}  # id(weight) -> its screen; dropped with 
 
 def screen_for(layer: torch.nn.Linear) -> LogitScreen:
     """The layer's `LogitScreen`, made on first use (a bf16 copy of its weight) and again
-    if the weight moves; kept outside the module, like exact_linear's packed weights."""
+    whenever the weight changes; kept outside the module, like exact_linear's packed weights."""
     screen = _screens.get(id(layer.weight))
-    if screen is None or screen.weight.data_ptr() != layer.weight.data_ptr():
+    if screen is None or screen.state != weight_state(layer.weight):
         if screen is None:
             weakref.finalize(layer.weight, _screens.pop, id(layer.weight), None)
         screen = _screens[id(layer.weight)] = LogitScreen(layer.weight)

@@ -73,3 +73,18 @@ def test_generate_with_the_logit_screen_is_greedy(tmp_path, monkeypatch):
         truth = hf_greedy(model, p, 40)
         out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[])
         assert out.tokens == truth[:30], i
+
+
+def test_the_screen_follows_in_place_changes_of_the_weight():
+    """A screen is a bf16 copy of the weight: changed in place, the weight gets a new one."""
+    from specsuite.core.logit_screen import screen_for
+
+    gen = torch.Generator().manual_seed(2)
+    layer = torch.nn.Linear(64, 500, bias=False)
+    hidden = torch.randn(3, 64, generator=gen)
+    first = screen_for(layer)
+    assert screen_for(layer) is first
+    with torch.no_grad():
+        layer.weight.mul_(-1)
+    screened = screen_for(layer)(hidden, MARGIN)
+    assert torch.equal(top_two(screened)[0], top_two(torch.nn.functional.linear(hidden, layer.weight))[0])
