@@ -11,7 +11,7 @@ from specsuite.core import generate
 from specsuite.core.backend import LOGIT_SCREEN_COSTS, backend_for, use_backend
 from specsuite.core.draft_budget import StepCost, cost_file
 from specsuite.core.exact_linear import FP32_ROW_BUCKETS, packed_bf16_runs
-from specsuite.core.logit_screen import LogitScreen
+from specsuite.core.logit_screen import LogitScreen, screen_for
 from specsuite.core.verify import top_two
 from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
@@ -77,8 +77,6 @@ def test_generate_with_the_logit_screen_is_greedy(tmp_path, monkeypatch):
 
 def test_the_screen_follows_in_place_changes_of_the_weight():
     """A screen is a bf16 copy of the weight: changed in place, the weight gets a new one."""
-    from specsuite.core.logit_screen import screen_for
-
     gen = torch.Generator().manual_seed(2)
     layer = torch.nn.Linear(64, 500, bias=False)
     hidden = torch.randn(3, 64, generator=gen)
