@@ -80,9 +80,13 @@ class Corrector:
     """Corrects texts with one loaded model; `drafter` is "copy", "prompt-lookup" or "none"."""
 
     def __init__(self, model: str = DEFAULT_MODEL, drafter: str = "copy", dtype: str | None = None,
-                 max_new_tokens: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE) -> None:
+                 max_new_tokens: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
+                 backend: str = "auto") -> None:
+        """backend: how the forwards are computed (`load_model`): "auto", or "exact" for output
+        token for token greedy's where `auto` would verify with plain bf16 calls (CPUs without
+        AMX), at the cost of speed."""
         _check(drafter, max_new_tokens, batch_size)  # before the slow load
-        self._setup(*load_model(model, dtype=dtype), drafter, max_new_tokens, batch_size)
+        self._setup(*load_model(model, dtype=dtype, backend=backend), drafter, max_new_tokens, batch_size)
 
     @classmethod
     def from_loaded(cls, model, tokenizer, drafter: str = "copy", max_new_tokens: int | None = None,
