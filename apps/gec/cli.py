@@ -19,16 +19,18 @@ from .corrector import DEFAULT_BATCH_SIZE, DRAFTERS, Corrector, combine_stats, d
 from .gleu import corpus_gleu, read_tokenized, tokenize
 
 
-def _corrector(args: argparse.Namespace) -> Corrector:
+def _settings(args: argparse.Namespace) -> dict:
+    """The `Corrector` arguments the model options ask for. --exact: one text at a time, on the
+    exact forms too (`auto` verifies with plain multi-row bf16 calls where the exact ones cost over
+    15% more, e.g. on an AMD Zen 5 CPU, which are greedy's only up to rounding)."""
     exact = getattr(args, "exact", False)
-    batch_size = 1 if exact else getattr(args, "batch_size", DEFAULT_BATCH_SIZE)
-    return Corrector(args.model, args.drafter, args.dtype, args.max_new_tokens, batch_size, _backend(exact))
+    return {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "batch_size": 1 if exact else getattr(args, "batch_size", DEFAULT_BATCH_SIZE),
+            "backend": "exact" if exact else "auto"}
 
 
-def _backend(exact: bool) -> str:
-    """--exact also asks for the exact forms: `auto` verifies with plain multi-row bf16 calls
-    where the exact ones cost over 15% more (e.g. on an AMD Zen 5 CPU), which are greedy's only up to rounding."""
-    return "exact" if exact else "auto"
+def _corrector(args: argparse.Namespace) -> Corrector:
+    return Corrector(**_settings(args))
 
 
 def _missing(*paths: str) -> str | None:
@@ -78,9 +80,7 @@ def _correct_on_ray(args: argparse.Namespace):
     """The same job on a Ray cluster (apps/gec/distributed.py); BlockFailedError is a RuntimeError."""
     from .distributed import run_ray_batch
 
-    batch_size = 1 if args.exact else args.batch_size  # as _corrector: --exact is one text at a time
-    settings = {"model": args.model, "drafter": args.drafter, "dtype": args.dtype,
-                "max_new_tokens": args.max_new_tokens, "batch_size": batch_size, "backend": _backend(args.exact)}
+    settings = _settings(args)
     factory = functools.partial(Corrector, **settings)  # pickled to every actor, which loads the model once
     return run_ray_batch(args.input, args.output, factory, address=args.ray, workers=args.workers,
                          threads_per_worker=args.threads_per_worker, fmt=args.format, field=args.field,
