@@ -14,10 +14,14 @@ the draft verified in the prefill, and whether a prefix cache is lossless.
   copy of the output layer, exact where they can matter (logit_screen.py).
 - `plain` (CUDA, fp16, or bf16 where the exact forms cost too much): the model's own multi-row
   forward, as HF's prompt lookup verifies; a tie guard in fp32 only (see PLAIN_TIE_MARGIN).
+- `plain-packed` (bf16 on the CPU): `plain`, with the draft rows and one-token steps on weights
+  packed once (exact_linear.py's `packed_rows`); the prefill and one-token steps round as plain
+  decoding's, draft rows as neither (as `plain`'s do).
 
 In bf16 on the CPU the exact forms are used only where they are affordable: `choose_backend`
-times one verify forward of the row counts a copy draft uses in both forms (once per machine,
-model and dtype; kept on disk) and takes `plain` when the exact one costs over EXACT_OVERHEAD more.
+times one verify forward of the row counts a copy draft uses in each form (once per machine,
+model and dtype; kept on disk) and takes the cheaper of `plain` and `plain-packed` when the exact
+one costs over EXACT_OVERHEAD more than `plain`.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from .draft import Draft
 from .draft_budget import StepCost, cost_file
 from .exact_attention import NAME as EXACT_ATTENTION, block_rows
 from .exact_linear import (FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, bf16_rows, drop_packed, fp32_linear, packed_bf16_runs,
-                           short_call_rows)
+                           packed_rows, short_call_rows)
 from .logit_screen import drop_screen, screen_for
 from .verify import tree_attention_mask
 
@@ -66,8 +70,9 @@ EXACT_OVERHEAD = 0.15
 AFFORDABILITY_ROWS = (1, 9, 17)
 # What that measurement is kept on disk as; "v2" since exact_linear's packed form and wider padded
 # forms (PAD_WIDTHS) made Qwen2.5-1.5B's exact forwards ~1.1x plain ones instead of 3.1x, "v3"
-# since short calls of the padded forms' layers run column-major (`_column_major_rows`).
-EXACT_VS_PLAIN = "exact-vs-plain v3"
+# since short calls of the padded forms' layers run column-major (`_column_major_rows`), "v4" since
+# one-token steps run on packed weights wherever they round alike and `plain-packed` is timed too.
+EXACT_VS_PLAIN = "exact-vs-plain v4"
 
 KINDS = ("auto", "exact", "plain")
 
@@ -172,6 +177,11 @@ FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, dr
 # 1.75x) and no closer to greedy (46 of 50 identical either way; RAG 10 of 12 against 12 of 12).
 PLAIN = Backend("plain", None, exact_rows=False, tie_margin=0.0)
 PLAIN_TIE_MARGIN = {torch.float32: 1e-3}
+# On the AMD Zen 5 CPU (avx512_bf16, no AMX), where the exact forms cost 1.3x plain ones, plain
+# calls repack the weights every time: on packed weights Qwen2.5-1.5B's copy-drafted JFLEG
+# corrections took 20% less time, with the same 49 of 50 identical to greedy (ad-hoc A/B, 50
+# sentences, alternated).
+PLAIN_PACKED = Backend("plain-packed", packed_rows, exact_rows=True, tie_margin=0.0, exact_attention=False)
 
 
 def plain_backend(dtype: torch.dtype) -> Backend:
@@ -193,7 +203,8 @@ def choose_backend(model, kind: str = "auto") -> Backend:
     if kind == "exact" or exact_is_affordable(model):
         rows = short_call_rows(model)
         return replace(EXACT_BF16, draft_sizes=(rows - 1,)) if MIN_SHORT_CALL_ROWS <= rows < PLAIN_ROWS else EXACT_BF16
-    return plain_backend(model.dtype)
+    costs = bf16_form_costs(model)
+    return PLAIN_PACKED if costs.get(PLAIN_PACKED.name, float("inf")) < costs[PLAIN.name] else plain_backend(model.dtype)
 
 
 def backend_for(model) -> Backend:
@@ -306,9 +317,17 @@ def fp32_backend(model) -> Backend:
     return replace(backend, draft_cost=StepCost(costs[backend.name]))
 
 
+def bf16_form_costs(model) -> dict[str, float]:
+    """Seconds of verify forwards of AFFORDABILITY_ROWS rows (summed) in the exact bf16 forms,
+    `plain` and, where oneDNN runs bf16 calls on packed weights, `plain-packed`: {name: s}
+    (measured once on this machine, ~1 s for a 0.5B model; kept on disk)."""
+    backends = [EXACT_BF16, plain_backend(model.dtype)] + ([PLAIN_PACKED] if packed_bf16_runs() else [])
+    measured = _measured(model, EXACT_VS_PLAIN, backends, list(AFFORDABILITY_ROWS))
+    return {name: sum(per_rows.values()) for name, per_rows in measured.items()}
+
+
 def exact_is_affordable(model) -> bool:
     """Whether the exact bf16 forms cost at most EXACT_OVERHEAD more than plain forwards at
-    AFFORDABILITY_ROWS rows on this machine (measured once, ~1 s for a 0.5B model; kept on disk)."""
-    measured = _measured(model, EXACT_VS_PLAIN, [EXACT_BF16, plain_backend(model.dtype)], list(AFFORDABILITY_ROWS))
-    costs = {name: sum(per_rows.values()) for name, per_rows in measured.items()}
+    AFFORDABILITY_ROWS rows on this machine (`bf16_form_costs`)."""
+    costs = bf16_form_costs(model)
     return costs[EXACT_BF16.name] <= (1 + EXACT_OVERHEAD) * costs[PLAIN.name]

@@ -15,7 +15,7 @@ from specsuite.core import PromptLookupDrafter, generate
 from specsuite.core.backend import (
     AFFORDABILITY_ROWS, EXACT_BF16, EXACT_VS_PLAIN, FP32_CPU, PLAIN, backend_for, choose_backend, exact_is_affordable, fp32_forms, use_backend,
 )
-from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS
+from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, packed_bf16_runs, packed_rows
 from specsuite.core.draft_budget import StepCost, cost_file
 from specsuite.core.models import load_model
 from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
@@ -40,20 +40,23 @@ def test_each_dtype_and_attention_gets_its_kind():
 
 def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monkeypatch):
     """The measured costs are kept on disk; "auto" takes the exact forms while they cost at most
-    15% more than plain forwards."""
+    15% more than plain forwards, else the cheaper plain form (`plain-packed` only where oneDNN
+    runs bf16 calls on packed weights)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
     model = tiny_model("qwen2").to(torch.bfloat16)
-    paths = {name: cost_file(model, measure=f"{EXACT_VS_PLAIN}:{name}") for name in ("exact-bf16", "plain")}
+    names = ["exact-bf16", "plain"] + (["plain-packed"] if packed_bf16_runs() else [])
+    paths = {name: cost_file(model, measure=f"{EXACT_VS_PLAIN}:{name}") for name in names}
     assert not any(path.exists() for path in paths.values())
-    exact_is_affordable(model)  # measured now (both forms, alternating) and kept
+    exact_is_affordable(model)  # measured now (every form, alternating) and kept
     rows = list(AFFORDABILITY_ROWS)
     assert all(StepCost.load(path, rows).rows == rows for path in paths.values())
-    for exact_s, expected in ((1.10, EXACT_BF16), (2.0, None)):
-        StepCost(dict.fromkeys(rows, exact_s)).save(paths["exact-bf16"])
-        StepCost(dict.fromkeys(rows, 1.0)).save(paths["plain"])
+    for exact_s, packed_s, expected in ((1.10, 0.5, "exact-bf16"), (2.0, 1.5, "plain"), (2.0, 0.5, "plain-packed")):
+        for name, secs in zip(names, (exact_s, 1.0, packed_s)):
+            StepCost(dict.fromkeys(rows, secs)).save(paths[name])
         chosen = choose_backend(model)
-        assert chosen is expected if expected else chosen.name == "plain"
+        assert chosen.name == (expected if expected in names else "plain")
+        assert chosen is EXACT_BF16 if expected == "exact-bf16" else chosen.tie_margin == 0
 
 
 def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, monkeypatch):
@@ -105,3 +108,30 @@ def test_plain_backend_verifies_multi_row_and_guards_ties(dtype):
         assert out.tokens == truth[:30], i
         assert out.stats.forward_passes < 30
         assert generate(model, p, PromptLookupDrafter(), max_new_tokens=30, eos_token_id=[]).tokens == truth[:30]
+
+
+def test_plain_packed_verifies_on_packed_weights_and_steps_as_plain_decoding(tmp_path, monkeypatch):
+    """Where auto takes `plain-packed` (bf16, oneDNN runs packed calls, cheaper than plain ones):
+    drafts verify on packed weights, the output is greedy's on tiny models, with trees too; a
+    prefill is the plain call and a one-token step rounds bit for bit as plain decoding's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
+    model = tiny_model("llama", max_positions=512).to(torch.bfloat16)
+    names = ["exact-bf16", "plain"] + (["plain-packed"] if packed_bf16_runs() else [])
+    for name, secs in zip(names, (3.0, 1.0, 0.5)):
+        StepCost(dict.fromkeys(AFFORDABILITY_ROWS, secs)).save(cost_file(model, measure=f"{EXACT_VS_PLAIN}:{name}"))
+    assert use_backend(model, "auto").name == names[-1]
+    for i, p in enumerate(prompts(6, seed=25, lengths=(3, 120))):
+        truth = hf_greedy(model, p, 40)
+        out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[])
+        assert out.tokens == truth[:30], i
+        assert out.stats.forward_passes < 30 and out.stats.backend == names[-1]
+    gen = torch.Generator().manual_seed(5)
+    layer = torch.nn.Linear(896, 128).bfloat16()
+    x = torch.randn(1, 9, 896, generator=gen).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(packed_rows(layer, x, 9), layer(x))  # a prefill: one plain call
+        for row in x[0]:
+            assert torch.equal(packed_rows(layer, row[None, None], 1), layer(row[None, None]))  # a decode step
+        if packed_bf16_runs():  # the only CPUs where a backend runs draft rows on packed weights
+            torch.testing.assert_close(packed_rows(layer, x, 1), layer(x), rtol=2e-2, atol=2e-2)  # a root and 8 draft rows
