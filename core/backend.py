@@ -204,7 +204,10 @@ def choose_backend(model, kind: str = "auto") -> Backend:
         rows = short_call_rows(model)
         return replace(EXACT_BF16, draft_sizes=(rows - 1,)) if MIN_SHORT_CALL_ROWS <= rows < PLAIN_ROWS else EXACT_BF16
     costs = bf16_form_costs(model)
-    return PLAIN_PACKED if costs.get(PLAIN_PACKED.name, float("inf")) < costs[PLAIN.name] else plain_backend(model.dtype)
+    if costs.get(PLAIN_PACKED.name, float("inf")) < costs[PLAIN.name]:
+        return PLAIN_PACKED
+    drop_packed(model)  # the copy of the weights packed for the measurement
+    return plain_backend(model.dtype)
 
 
 def backend_for(model) -> Backend:
