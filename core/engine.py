@@ -111,9 +111,9 @@ class BatchEngine:
                           cache_dir: str | Path | None = None) -> StepCost:
         """Time decode steps of `rows` rows as a batch runs them (up to 32 slots, each a root token
         and a chain draft, every row's logits, after 64 cached tokens; median of `reps`), or read an
-        earlier measurement of the same machine, model and dtype (`cost_file`)."""
+        earlier measurement of the same machine, model, dtype and backend (`cost_file`)."""
         rows = sorted(set(rows))
-        path = cost_file(self.model, cache_dir)
+        path = cost_file(self.model, cache_dir, measure=f"engine:{backend_for(self.model).name}")
         if (kept := StepCost.load(path, rows)) is not None:
             return kept
         vocab = min(self.model.config.vocab_size, 32000)
@@ -213,8 +213,10 @@ class BatchEngine:
         body = model.model
         rotate = sys.modules[type(model).__module__].apply_rotary_pos_emb
         # Every row is a block row: the linear layers take the backend's kernel for a whole block
-        # (exact_linear's fp32 kernels on the CPU, plain F.linear in bf16).
-        with backend_for(model).rows(n, n):
+        # (exact_linear's fp32 kernels on the CPU, plain F.linear in bf16), or all take its draft
+        # rows' kernel where that is cheaper (`plain-packed`: packed weights).
+        backend = backend_for(model)
+        with backend.rows(n if backend.engine_block else 0, n):
             x = body.embed_tokens(ids_t)
             cos, sin = body.rotary_emb(x, pos_t)
             for i, layer in enumerate(self.layers):

@@ -17,6 +17,7 @@ from specsuite.core.backend import (
 )
 from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, packed_bf16_runs, packed_rows
 from specsuite.core.draft_budget import StepCost, cost_file
+from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.models import load_model
 from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
@@ -121,11 +122,16 @@ def test_plain_packed_verifies_on_packed_weights_and_steps_as_plain_decoding(tmp
     for name, secs in zip(names, (3.0, 1.0, 0.5)):
         StepCost(dict.fromkeys(AFFORDABILITY_ROWS, secs)).save(cost_file(model, measure=f"{EXACT_VS_PLAIN}:{name}"))
     assert use_backend(model, "auto").name == names[-1]
-    for i, p in enumerate(prompts(6, seed=25, lengths=(3, 120))):
-        truth = hf_greedy(model, p, 40)
+    ps = prompts(6, seed=25, lengths=(3, 120))
+    truths = [hf_greedy(model, p, 30) for p in ps]
+    for i, (p, truth) in enumerate(zip(ps, truths)):
         out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[])
-        assert out.tokens == truth[:30], i
+        assert out.tokens == truth, i
         assert out.stats.forward_passes < 30 and out.stats.backend == names[-1]
+    # the batched engine runs all its rows on the packed weights there, each sequence still greedy's here
+    engine = BatchEngine(model, 3, eos_token_id=[], cost=StepCost({1: 1.0, 512: 1.0}))
+    requests = [Request(p, OracleTreeDrafter(p, t, seed=i), max_new_tokens=30) for i, (p, t) in enumerate(zip(ps, truths))]
+    assert [g.tokens for _, g in sorted(engine.run(requests), key=lambda r: r[0])] == truths
     gen = torch.Generator().manual_seed(5)
     layer = torch.nn.Linear(896, 128).bfloat16()
     x = torch.randn(1, 9, 896, generator=gen).bfloat16()
