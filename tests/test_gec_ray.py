@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -150,8 +149,8 @@ def test_killing_an_actor_mid_job_redoes_its_block(cluster, input_file, referenc
     pids: list[int] = []
 
     def kill_the_first_actor_in_its_next_block(done):
-        if not pids:  # it has just been given its next block: kill -9 it while it corrects that
-            threading.Timer(0.3, os.kill, (done.pid, signal.SIGKILL)).start()
+        if not pids:  # it has just been given its next block: kill -9 it now, before it can finish
+            os.kill(done.pid, signal.SIGKILL)  # it (a timer of 0.3 s lost the race to a fast block)
         pids.append(done.pid)
 
     summary = _run(input_file, output, cluster, on_block=kill_the_first_actor_in_its_next_block, settings=BATCHED)
