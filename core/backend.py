@@ -195,6 +195,12 @@ def plain_backend(dtype: torch.dtype) -> Backend:
     return replace(PLAIN, tie_margin=PLAIN_TIE_MARGIN.get(dtype, 0.0), lossless_prefix_cache=dtype == torch.float32)
 
 
+def plain_forms(dtype: torch.dtype) -> list[Backend]:
+    """The plain backends a model with the exact layers installed can run on the CPU in `dtype`:
+    `plain`, and in bf16 `plain-packed` where oneDNN runs bf16 calls on packed weights."""
+    return [plain_backend(dtype)] + ([PLAIN_PACKED] if dtype == torch.bfloat16 and packed_bf16_runs() else [])
+
+
 def choose_backend(model, kind: str = "auto") -> Backend:
     """The backend for `model`: kind "exact" (the exact form for its dtype where one exists),
     "plain", or "auto" (exact where affordable, see the module docstring)."""
@@ -206,10 +212,10 @@ def choose_backend(model, kind: str = "auto") -> Backend:
         return plain_backend(model.dtype)
     if model.dtype == torch.float32:
         return fp32_backend(model)
-    if kind == "exact" or exact_is_affordable(model):
+    costs = None if kind == "exact" else bf16_form_costs(model)
+    if costs is None or _exact_within_overhead(costs):
         rows = short_call_rows(model)
         return replace(EXACT_BF16, draft_sizes=(rows - 1,)) if MIN_SHORT_CALL_ROWS <= rows < PLAIN_ROWS else EXACT_BF16
-    costs = bf16_form_costs(model)
     if costs.get(PLAIN_PACKED.name, float("inf")) < costs[PLAIN.name]:
         return PLAIN_PACKED
     drop_packed(model)  # the copy of the weights packed for the measurement
@@ -330,13 +336,15 @@ def bf16_form_costs(model) -> dict[str, float]:
     """Seconds of verify forwards of AFFORDABILITY_ROWS rows (summed) in the exact bf16 forms,
     `plain` and, where oneDNN runs bf16 calls on packed weights, `plain-packed`: {name: s}
     (measured once on this machine, ~1 s for a 0.5B model; kept on disk)."""
-    backends = [EXACT_BF16, plain_backend(model.dtype)] + ([PLAIN_PACKED] if packed_bf16_runs() else [])
-    measured = _measured(model, EXACT_VS_PLAIN, backends, list(AFFORDABILITY_ROWS))
+    measured = _measured(model, EXACT_VS_PLAIN, [EXACT_BF16, *plain_forms(model.dtype)], list(AFFORDABILITY_ROWS))
     return {name: sum(per_rows.values()) for name, per_rows in measured.items()}
 
 
 def exact_is_affordable(model) -> bool:
     """Whether the exact bf16 forms cost at most EXACT_OVERHEAD more than plain forwards at
     AFFORDABILITY_ROWS rows on this machine (`bf16_form_costs`)."""
-    costs = bf16_form_costs(model)
+    return _exact_within_overhead(bf16_form_costs(model))
+
+
+def _exact_within_overhead(costs: dict[str, float]) -> bool:
     return costs[EXACT_BF16.name] <= (1 + EXACT_OVERHEAD) * costs[PLAIN.name]

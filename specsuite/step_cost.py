@@ -15,10 +15,9 @@ import argparse
 
 import torch
 
-from specsuite.core.backend import (EXACT_BF16, FP32_CPU, PLAIN_PACKED, backend_for, choose_backend, measure_forward_costs,
-                                    plain_backend)
+from specsuite.core.backend import (EXACT_BF16, FP32_CPU, backend_for, choose_backend, measure_forward_costs, plain_backend,
+                                    plain_forms)
 from specsuite.core.exact_attention import NAME as EXACT_ATTENTION
-from specsuite.core.exact_linear import packed_bf16_runs
 from specsuite.core.models import DEFAULT_MODEL, load_model
 
 
@@ -28,9 +27,7 @@ def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5)
     backends = [plain_backend(model.dtype)]
     if model.config._attn_implementation == EXACT_ATTENTION and model.device.type == "cpu":
         exact = choose_backend(model, "exact")  # fp32: with the kernel forms measured for this model
-        backends = ([exact] if exact.name in (EXACT_BF16.name, FP32_CPU.name) else []) + backends
-        if model.dtype == torch.bfloat16 and packed_bf16_runs():
-            backends.append(PLAIN_PACKED)
+        backends = ([exact] if exact.name in (EXACT_BF16.name, FP32_CPU.name) else []) + plain_forms(model.dtype)
     return measure_forward_costs(model, backends, rows, context, reps)
 
 

@@ -149,8 +149,8 @@ def test_killing_an_actor_mid_job_redoes_its_block(cluster, input_file, referenc
     pids: list[int] = []
 
     def kill_the_first_actor_in_its_next_block(done):
-        if not pids:  # it has just been given its next block: kill -9 it now, before it can finish
-            os.kill(done.pid, signal.SIGKILL)  # it (a timer of 0.3 s lost the race to a fast block)
+        if not pids:  # it has just been given its next block: kill -9 it at once (a 0.3 s timer
+            os.kill(done.pid, signal.SIGKILL)  # lost the race to a block that finished sooner)
         pids.append(done.pid)
 
     summary = _run(input_file, output, cluster, on_block=kill_the_first_actor_in_its_next_block, settings=BATCHED)
