@@ -12,14 +12,14 @@ import sys
 import textwrap
 from pathlib import Path
 
-from specsuite.core.models import DEFAULT_EMBEDDING_MODEL
+from specsuite.models import DEFAULT_EMBEDDING_MODEL
 
 DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP = 200, 40
 
 
 def _errors() -> tuple[type[BaseException], ...]:
     """The failures a user can cause (bad paths, models, options, indexes): reported, not raised."""
-    from specsuite.core.models import ProvisioningError
+    from specsuite.models import ProvisioningError
 
     from .documents import DocumentError
     from .index import IndexLoadError

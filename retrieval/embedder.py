@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from specsuite.core.models import DEFAULT_EMBEDDING_MODEL, embedding_model_path
+from specsuite.models import DEFAULT_EMBEDDING_MODEL, embedding_model_path
 
 # Files that say nothing about the embeddings a model computes.
 _IGNORED_FILES = {"README.md", ".gitattributes", "specsuite-preset.json"}

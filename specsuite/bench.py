@@ -24,7 +24,7 @@ from specsuite.core import Drafter, DraftModelDrafter, PromptLookupDrafter, eos_
 from specsuite.core.backend import backend_for
 from specsuite.core.draft import FallbackDrafter
 from specsuite.core.chat import chat_prompt_ids
-from specsuite.core.models import DEFAULT_MODEL, load_model
+from specsuite.models import DEFAULT_MODEL, load_model
 from specsuite.retrieval.cli import _positive_int
 
 

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from specsuite.apps.gec.cli import jfleg_tokens
-from specsuite.apps.gec.batch import run_batch
+from specsuite.apps.jobs import run_batch
 from specsuite.apps.gec.corrector import DEFAULT_BATCH_SIZE, Corrector
 from specsuite.apps.gec.drafter import CopyDrafter
 from specsuite.apps.gec.gleu import corpus_gleu, read_tokenized, tokenize
@@ -34,7 +34,7 @@ from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache, instruc
 from specsuite.bench import rotated
 from specsuite.core import eos_token_ids, generate, turn_end_token
 from specsuite.core.engine import BatchEngine, Request
-from specsuite.core.models import load_model
+from specsuite.models import load_model
 
 WARMUP = 4  # sentences each method decodes before it is timed
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from specsuite.apps.gec.corrector import DEFAULT_BATCH_SIZE
-from specsuite.core.models import DEFAULT_MODEL
+from specsuite.models import DEFAULT_MODEL
 
 CONFIGS = {"ray1x1": (1, 1), "ray2x1": (2, 1), "ray1x2": (1, 2)}  # name: (actors, threads each)
 LOCAL_THREADS = 2

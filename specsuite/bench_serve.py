@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from specsuite.bench import rotated
-from specsuite.core.models import DEFAULT_EMBEDDING_MODEL, load_model
+from specsuite.models import DEFAULT_EMBEDDING_MODEL, load_model
 
 
 def _serve(qa, k: int):

@@ -18,7 +18,7 @@ import torch
 from specsuite.core.backend import (EXACT_BF16, FP32_CPU, backend_for, choose_backend, measure_forward_costs, plain_backend,
                                     plain_forms)
 from specsuite.core.exact_attention import NAME as EXACT_ATTENTION
-from specsuite.core.models import DEFAULT_MODEL, load_model
+from specsuite.models import DEFAULT_MODEL, load_model
 
 
 def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5) -> dict[str, dict[int, float]]:

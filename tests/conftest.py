@@ -20,7 +20,7 @@ def smollm2():
     """(model, tokenizer) of the smollm2-135m preset, loaded once per session in the default dtype.
 
     Provisioning it downloads ~100 MB on first use; skips if that fails (offline, no cache)."""
-    from specsuite.core.models import ProvisioningError, load_model
+    from specsuite.models import ProvisioningError, load_model
 
     try:
         return load_model("smollm2-135m")
@@ -33,7 +33,7 @@ def smollm2_fp32():
     """smollm2-135m in fp32, for token-for-token exactness against HF greedy on real text, on any
     CPU. (bf16 exactness rests on kernel rounding rules checked at run time, see exact_linear.py:
     it is tested in test_core_real_model.py and measured on qwen2.5-0.5b by `specsuite bench`.)"""
-    from specsuite.core.models import ProvisioningError, load_model
+    from specsuite.models import ProvisioningError, load_model
 
     try:
         return load_model("smollm2-135m", dtype="fp32")

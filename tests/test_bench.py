@@ -35,7 +35,7 @@ def test_gec_bench_compares_the_copy_drafter_with_hf_greedy(smollm2_fp32, jfleg,
     assert "forward" not in vars(smollm2_fp32[0])  # the forward counter is gone with the run
 
 
-def test_gec_batch_bench_alternates_rounds_and_compares_with_the_best_hf_batch(smollm2_fp32, jfleg, monkeypatch):
+def test_jobs_bench_alternates_rounds_and_compares_with_the_best_hf_batch(smollm2_fp32, jfleg, monkeypatch):
     """`bench gec-batch`: every method but the reference runs once per round (in a rotated order),
     its time is the mean of its rounds, and the speedups are against the best HF batch size."""
     from specsuite import bench_batch

@@ -18,7 +18,7 @@ from specsuite.core.backend import (
 from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, packed_bf16_runs, packed_rows
 from specsuite.core.draft_budget import StepCost, cost_file
 from specsuite.core.engine import BatchEngine, Request
-from specsuite.core.models import load_model
+from specsuite.models import load_model
 from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specsuite.core.models import embedding_model_path
+from specsuite.models import embedding_model_path
 from specsuite.retrieval import (ChunkSettings, Chunker, CorruptIndexError, Document, DocumentError, Embedder,
                                  EmbeddingModelMismatchError, IndexLoadError, IndexSettings, PassageIndex,
                                  load_documents, parse_specbench_rag)

@@ -12,9 +12,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specsuite.apps import limits
-from specsuite.core.models import DEFAULT_MODEL
+from specsuite.models import DEFAULT_MODEL
 
-from .batch import ResumeError, run_batch
+from specsuite.apps.jobs import ResumeError, run_batch
 from .corrector import DEFAULT_BATCH_SIZE, DRAFTERS, Corrector, combine_stats, demo_sentences
 from .gleu import corpus_gleu, read_tokenized, tokenize
 
@@ -77,8 +77,8 @@ def _correct(args: argparse.Namespace) -> int:
 
 
 def _correct_on_ray(args: argparse.Namespace):
-    """The same job on a Ray cluster (apps/gec/distributed.py); BlockFailedError is a RuntimeError."""
-    from .distributed import run_ray_batch
+    """The same job on a Ray cluster (apps/ray_jobs.py); BlockFailedError is a RuntimeError."""
+    from specsuite.apps.ray_jobs import run_ray_batch
 
     settings = _settings(args)
     factory = functools.partial(Corrector, **settings)  # pickled to every actor, which loads the model once

@@ -18,7 +18,7 @@ from specsuite.core import stream as stream_generation
 from specsuite.core.draft import Drafter
 from specsuite.core.engine import BatchEngine, Request, engine_supports
 from specsuite.core.generate import context_length
-from specsuite.core.models import DEFAULT_MODEL, load_model
+from specsuite.models import DEFAULT_MODEL, load_model
 
 from .drafter import CopyDrafter
 from .edits import Edit, word_diff

@@ -1,6 +1,6 @@
 """`specsuite rag answer`: answers to a file of questions, resumable, decoded in the batched engine.
 
-The GEC batch job's machinery (apps/gec/batch.py) with an answerer in place of the corrector:
+The GEC batch job's machinery (apps/jobs.py) with an answerer in place of the corrector:
 input `.txt` (a question a line) or `.jsonl` (the question in `field`), output `.jsonl`, one record
 per line in order: `{"line": N, <the input's other fields>, "question", "answer", "citations",
 "passages", "spans", "stats", "truncated"}` or `{"line": N, ..., "error": "..."}`. A bad line (empty,
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from specsuite.apps.gec.batch import BatchSummary, run_batch
+from specsuite.apps.jobs import BatchSummary, run_batch
 
 from .qa import Answer, RagQA
 

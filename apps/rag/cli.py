@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from specsuite.apps import limits
-from specsuite.core.models import DEFAULT_MODEL, cache_dir
+from specsuite.models import DEFAULT_MODEL, cache_dir
 from specsuite.retrieval import cli as retrieval_cli
 
 from .qa import DRAFTERS
@@ -78,7 +78,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 
 def _answer(args: argparse.Namespace) -> int:
-    from specsuite.apps.gec.batch import ResumeError
+    from specsuite.apps.jobs import ResumeError
 
     from .bulk import answer_file
 
@@ -98,7 +98,7 @@ def _answer(args: argparse.Namespace) -> int:
 
 def ensure_demo_index(rebuild: bool = False) -> Path:
     """The index of demos/corpus in the cache, built on first use."""
-    from specsuite.core.models import DEFAULT_EMBEDDING_MODEL
+    from specsuite.models import DEFAULT_EMBEDDING_MODEL
     from specsuite.retrieval import ChunkSettings, Embedder, PassageIndex, index_exists, load_documents
 
     folder = demo_index_dir()

@@ -23,11 +23,11 @@ from specsuite.core import (
     DraftModelDrafter, Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece, eos_token_ids,
     generate, stream,
 )
-from specsuite.core.batch_server import BatchServer
+from specsuite.apps.serving import BatchServer
 from specsuite.core.draft import FallbackDrafter
 from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.generate import context_length
-from specsuite.core.models import DEFAULT_MODEL, load_model
+from specsuite.models import DEFAULT_MODEL, load_model
 from specsuite.core.prefix_cache import lossless_by_default
 
 from .drafter import ReferenceDrafter

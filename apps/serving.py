@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 
-from .engine import BatchEngine, Request
+from specsuite.core.engine import BatchEngine, Request
 
 
 class BatchServer:

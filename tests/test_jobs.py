@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specsuite.apps.gec.batch import JsonlWriter, ResumeError, run_batch
+from specsuite.apps.jobs import JsonlWriter, ResumeError, run_batch
 from specsuite.apps.gec.edits import Edit, word_diff
 
 
@@ -211,8 +211,8 @@ def test_resume_after_kill_9(tmp_path, suffix):
     script = (
         "import sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_gec_batch import FakeCorrector\n"
-        "from specsuite.apps.gec.batch import run_batch\n"
+        "from test_jobs import FakeCorrector\n"
+        "from specsuite.apps.jobs import run_batch\n"
         f"run_batch({str(inp)!r}, {str(out)!r}, lambda: FakeCorrector(delay=0.05), progress=False)\n"
     )
     kill_9_after(subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"}),
@@ -288,7 +288,7 @@ def test_resume_after_kill_9_with_a_batch_in_flight(tmp_path, smollm2_fp32):
     inp = write_lines(tmp_path / "in.txt", lines)
     out = tmp_path / "out.jsonl"
     script = (
-        "from specsuite.apps.gec.batch import run_batch\n"
+        "from specsuite.apps.jobs import run_batch\n"
         "from specsuite.apps.gec.corrector import Corrector\n"
         f"run_batch({str(inp)!r}, {str(out)!r}, lambda: Corrector('smollm2-135m', dtype='fp32', max_new_tokens=24, "
         "batch_size=8), progress=False)\n"

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specsuite.core.models import (
+from specsuite.models import (
     PRESETS, ChecksumError, PackageFile, Preset, ProvisioningError, cache_dir, default_dtype, fetch_joined_file,
     load_model, provision, resolve_model_path,
 )
 
-models_mod = importlib.import_module("specsuite.core.models")
+models_mod = importlib.import_module("specsuite.models")
 
 PARTS = [b"GGUF-part-one|" * 50, b"part-two|" * 70, b"the-last-part"]
 JOINED = b"".join(PARTS)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from specsuite.apps.gec import batch
-from specsuite.apps.gec.batch import run_batch
+from specsuite.apps import jobs as batch
+from specsuite.apps.jobs import run_batch
 from specsuite.apps.gec.corrector import Corrector
-from specsuite.apps.gec.distributed import BlockFailedError, count_lines, read_block, run_ray_batch, split_blocks
+from specsuite.apps.ray_jobs import BlockFailedError, count_lines, read_block, run_ray_batch, split_blocks
 
 if os.environ.get("CI"):  # CI installs the extra: a missing Ray is a failure there
     import ray

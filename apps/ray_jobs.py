@@ -34,7 +34,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .batch import BatchSummary, CorrectorLike, JsonlWriter, ResumeError, TextWriter, correct_lines, count_lines
+from .jobs import BatchSummary, CorrectorLike, JsonlWriter, ResumeError, TextWriter, correct_lines, count_lines
 
 # The default block size: about BLOCKS_PER_WORKER equal blocks per actor, so that the last ones
 # balance out, but at least MIN_BLOCK_LINES lines (twice the batched engine's default batch: a block

@@ -258,9 +258,9 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
     "exact" or "plain"."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import exact_linear
-    from .backend import KINDS, use_backend
-    from .exact_attention import NAME as EXACT_ATTENTION
+    from specsuite.core import exact_linear
+    from specsuite.core.backend import KINDS, use_backend
+    from specsuite.core.exact_attention import NAME as EXACT_ATTENTION
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
