@@ -1,4 +1,8 @@
-"""Resumable batch correction of a file of texts.
+"""The resumable job over a file of texts, one text a line, for every app (GEC corrections,
+RAG answers), on one machine; `ray_jobs.py` runs the same unit of work on a Ray cluster.
+
+An app plugs in a `JobWorker`: how it counts tokens, its longest text, and `process_each`,
+which turns texts into results (each with `.text` and `.to_record()`) or exceptions, in order.
 
 Input: `.txt` (one text per line) or `.jsonl` (one JSON object per line, the text in
 `field`). Lines are split on b"\\n" only and decoded one by one, so a bad line cannot
@@ -9,10 +13,10 @@ naming the line, and the job goes on.
 Output, chosen by the output path's extension:
 
 - anything but `.txt` (normally `.jsonl`): one JSON record per input line, in order,
-  `{"line": N, <the input object's other fields>, "source", "correction", "edits",
-  "stats", "truncated"}` or `{"line": N, ..., "error": "..."}`. Our keys win over input
-  fields of the same name.
-- `.txt`: the corrected text, one line per input line (a failed line is written as its
+  `{"line": N, <the input object's other fields>, <the result's record>}` (GEC: "source",
+  "correction", "edits", "stats", "truncated") or `{"line": N, ..., "error": "..."}`. Our keys
+  win over input fields of the same name.
+- `.txt`: each result's text, one line per input line (a failed line is written as its
   source, unchanged); error and truncation records go to the JSONL sidecar
   `OUTPUT.errors.jsonl` (`{"line": N, "error": ...}` / `{"line": N, "warning": "truncated"}`).
 
@@ -33,9 +37,9 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO
 
 try:
     import fcntl
@@ -45,14 +49,17 @@ except ImportError:  # not POSIX: run without the lock
 from tqdm import tqdm
 
 
-class CorrectorLike(Protocol):
-    """What the job needs of `Corrector`."""
+@dataclass(frozen=True)
+class JobWorker:
+    """What a job needs of an app (`Corrector.job_worker()`, `RagQA.job_worker(...)`).
 
-    context_limit: int
+    process_each: texts (read lazily) -> for each, in order, a result with `.text` (what a `.txt`
+    output writes) and `.to_record()` (the fields of its JSONL record), or the exception it raised.
+    max_tokens: a longer text is an error record, never given to the model."""
 
-    def correct(self, text: str) -> Any: ...
-
-    def count_tokens(self, text: str) -> int: ...
+    process_each: Callable[[Iterable[str]], Iterator[Any]]
+    count_tokens: Callable[[str], int]
+    max_tokens: int
 
 
 @dataclass(frozen=True)
@@ -77,23 +84,21 @@ class ResumeError(RuntimeError):
 def run_batch(
     input_path: str | Path,
     output_path: str | Path,
-    corrector_factory: Callable[[], CorrectorLike],
+    worker_factory: Callable[[], JobWorker],
     fmt: str | None = None,
     field: str = "text",
     progress: bool = True,
     max_tokens: int | None = None,
 ) -> BatchSummary:
-    """Correct every line of `input_path` into `output_path`, resuming a previous run.
+    """Process every line of `input_path` into `output_path`, resuming a previous run.
 
     `fmt` is "txt" or "jsonl" (default: from the input's extension). A text with more than
-    `max_tokens` tokens (default: the corrector's `context_limit`) is an error record: in a
+    `max_tokens` tokens (default: the worker's `max_tokens`) is an error record: in a
     line-per-text file that is almost always a missing line break or garbage, and it would
-    tie up the model for minutes. `corrector_factory` is called only if lines are left.
+    tie up the model for minutes. `worker_factory` (loads the model) is called only if lines are left.
     """
     input_path, output_path = Path(input_path), Path(output_path)
-    fmt = fmt or _format_of(input_path)
-    if fmt not in ("txt", "jsonl"):
-        raise ValueError(f"fmt must be 'txt' or 'jsonl', got {fmt!r}")
+    fmt = input_format(input_path, fmt)
     if output_path.exists() and output_path.resolve() == input_path.resolve():
         raise ValueError("the output path is the input path")
     total = count_lines(input_path)
@@ -105,19 +110,19 @@ def run_batch(
         ok, errors, warnings = done.lines - done.errors, done.errors, done.warnings
         if done.lines == total:
             return BatchSummary(total, ok, errors, done.lines, warnings)
-        corrector = corrector_factory()
-        limit = max_tokens if max_tokens is not None else corrector.context_limit
+        worker = worker_factory()
+        limit = max_tokens if max_tokens is not None else worker.max_tokens
         rate_sum, rate_count = 0.0, 0
         start = time.perf_counter()
         with tqdm(total=total, initial=done.lines, unit="sent", disable=not progress, dynamic_ncols=True) as bar:
-            for record, fallback in correct_lines(_lines(input_path, skip=done.lines), fmt, field, corrector, limit):
-                writer.write(record, fallback)
+            for record, line in process_lines(_lines(input_path, skip=done.lines), fmt, field, worker, limit):
+                writer.write(record, line)
                 if "error" in record:
                     errors += 1
                 else:
                     ok += 1
                     warnings += bool(record.get("truncated"))
-                    rate = record["stats"].get("acceptance_rate")
+                    rate = record.get("stats", {}).get("acceptance_rate")
                     if isinstance(rate, (int, float)) and math.isfinite(rate):
                         rate_sum, rate_count = rate_sum + rate, rate_count + 1
                 postfix = {"errors": errors}
@@ -130,11 +135,12 @@ def run_batch(
 
 # ---- reading the input -------------------------------------------------------------------
 
-def _format_of(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix in (".txt", ".jsonl"):
-        return suffix[1:]
-    raise ValueError(f"cannot tell the format of {path} from its extension: pass fmt='txt' or 'jsonl'")
+def input_format(path: Path, fmt: str | None = None) -> str:
+    """"txt" or "jsonl": `fmt`, or else the input's extension."""
+    fmt = fmt or path.suffix.lower().lstrip(".")
+    if fmt not in ("txt", "jsonl"):
+        raise ValueError(f"cannot tell the format of {path} from its extension: pass fmt='txt' or 'jsonl'")
+    return fmt
 
 
 def count_lines(path: Path) -> int:
@@ -151,32 +157,27 @@ def _lines(path: Path, skip: int) -> Iterator[tuple[int, bytes]]:
     """(1-based number, raw bytes without the line break) of the lines after the first `skip`."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
-            if number <= skip:
-                continue
-            raw = raw[:-1] if raw.endswith(b"\n") else raw
-            raw = raw[:-1] if raw.endswith(b"\r") else raw  # CRLF files
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM (Windows editors)
-                raw = raw[3:]
-            yield number, raw
+            if number > skip:
+                yield number, strip_line(number, raw[:-1] if raw.endswith(b"\n") else raw)
 
 
-def correct_lines(
-    lines: Iterable[tuple[int, bytes]], fmt: str, field: str, corrector: CorrectorLike, limit: int
+def strip_line(number: int, raw: bytes) -> bytes:
+    """A line as the job reads it: without a CRLF file's "\r", nor the first line's UTF-8 BOM (Windows editors)."""
+    raw = raw[:-1] if raw.endswith(b"\r") else raw
+    return raw[3:] if number == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
+
+
+def process_lines(
+    lines: Iterable[tuple[int, bytes]], fmt: str, field: str, worker: JobWorker, limit: int
 ) -> Iterator[tuple[dict, str | bytes]]:
     """(record, what a `.txt` output writes for it) of each (number, raw line), in input order.
-    The unit of work of a job, on one machine or per block on a cluster. Lines are read lazily:
-    a corrector with `correct_each` (the batched engine) gets the texts of many lines at once."""
-    correct_each = getattr(corrector, "correct_each", None)
-    if correct_each is None:
-        for number, raw in lines:
-            record, fallback, text = _parse(number, raw, fmt, field, corrector, limit)
-            yield (record, fallback) if text is None else _corrected(record, fallback, text, _attempt(corrector, text))
-        return
+    The unit of work of a job, on one machine or per block on a cluster. Lines are read lazily,
+    so the worker (the batched engine) gets the texts of many lines at once."""
     parsed: deque[tuple[dict, str | bytes, str | None]] = deque()  # read, not yet written
 
     def texts() -> Iterator[str]:
         for number, raw in lines:
-            parsed.append(_parse(number, raw, fmt, field, corrector, limit))
+            parsed.append(_parse(number, raw, fmt, field, worker, limit))
             if parsed[-1][2] is not None:
                 yield parsed[-1][2]
 
@@ -185,26 +186,18 @@ def correct_lines(
             record, fallback, _ = parsed.popleft()
             yield record, fallback
 
-    for result in correct_each(texts()):
+    for result in worker.process_each(texts()):
         yield from errors_first()
         record, fallback, text = parsed.popleft()
-        yield _corrected(record, fallback, text, result)
+        yield _processed(record, fallback, text, result)
     yield from errors_first()
 
 
-def _attempt(corrector: CorrectorLike, text: str) -> Any:
-    """The correction of `text`, or the exception it raised (a failure on one text must not end the job)."""
-    try:
-        return corrector.correct(text)
-    except Exception as e:  # noqa: BLE001
-        return e
-
-
 def _parse(
-    number: int, raw: bytes, fmt: str, field: str, corrector: CorrectorLike, limit: int
+    number: int, raw: bytes, fmt: str, field: str, worker: JobWorker, limit: int
 ) -> tuple[dict, str | bytes, str | None]:
-    """(record so far, what a `.txt` output writes if it is an error, the text to correct): the
-    record is an error record, and the text None, if the line cannot be corrected."""
+    """(record so far, what a `.txt` output writes if it is an error, the text to process): the
+    record is an error record, and the text None, if the line cannot be processed."""
     fields: dict[str, Any] = {}
     try:
         line = raw.decode("utf-8")
@@ -229,27 +222,20 @@ def _parse(
     if not text.strip():
         return _error(number, fields, "empty text", source=text), fallback, None
     try:
-        n_tokens = corrector.count_tokens(text)
+        n_tokens = worker.count_tokens(text)
     except Exception as e:  # a failure on one text must not end the job
-        return _error(number, fields, f"correction failed: {type(e).__name__}: {e}", source=text), fallback, None
+        return _error(number, fields, f"failed: {type(e).__name__}: {e}", source=text), fallback, None
     if n_tokens > limit:
         return _error(number, fields, f"too long: {n_tokens} tokens > limit {limit}", source=text), fallback, None
     return {"line": number, **fields}, fallback, text
 
 
-def _corrected(record: dict, fallback: str | bytes, text: str, correction: Any) -> tuple[dict, str | bytes]:
-    """The record of a parsed line (`record`: its number and fields) from its correction, or the
-    exception its correction raised. A result with `to_record()` (a RAG answer) gives its own fields."""
-    if isinstance(correction, Exception):
-        error = f"correction failed: {type(correction).__name__}: {correction}"
-        return {**record, "source": text, "error": error}, fallback
-    if hasattr(correction, "to_record"):
-        return {**record, **correction.to_record()}, fallback
-    return {
-        **record, "source": text, "correction": correction.text,
-        "edits": [_edit_dict(e) for e in correction.edits],
-        "stats": dict(correction.stats or {}), "truncated": bool(correction.truncated),
-    }, fallback
+def _processed(record: dict, fallback: str | bytes, text: str, result: Any) -> tuple[dict, str | bytes]:
+    """The record of a parsed line (`record`: its number and fields) and its `.txt` line, from its
+    result, or the exception its processing raised (the `.txt` line is then the source, unchanged)."""
+    if isinstance(result, Exception):
+        return {**record, "source": text, "error": f"failed: {type(result).__name__}: {result}"}, fallback
+    return {**record, **result.to_record()}, result.text
 
 
 def _error(number: int, fields: dict, message: str, **extra: Any) -> dict:
@@ -258,12 +244,6 @@ def _error(number: int, fields: dict, message: str, **extra: Any) -> dict:
 
 def _show(raw: bytes) -> str:
     return raw.decode("utf-8", "backslashreplace")
-
-
-def _edit_dict(edit: Any) -> dict:
-    if hasattr(edit, "to_dict"):
-        return edit.to_dict()
-    return asdict(edit) if is_dataclass(edit) else dict(edit)
 
 
 # ---- writing and resuming the output ---------------------------------------------------
@@ -360,12 +340,12 @@ class JsonlWriter(_Writer):
             sum(bool(r.get("truncated")) and "error" not in r for r in records),
         )
 
-    def write(self, record: dict, fallback: str | bytes) -> None:
+    def write(self, record: dict, line: str | bytes) -> None:
         _append(self.file, _dumps(record))
 
 
 class TextWriter(_Writer):
-    """Corrected text, one line per input line; errors and warnings in a JSONL sidecar."""
+    """Each result's text, one line per input line; errors and warnings in a JSONL sidecar."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -394,15 +374,13 @@ class TextWriter(_Writer):
             lines, sum("error" in r for r in records), sum("warning" in r for r in records)
         )
 
-    def write(self, record: dict, fallback: str | bytes) -> None:
+    def write(self, record: dict, line: str | bytes) -> None:
+        """`line`: the result's text, or for an error record the source as read."""
         if "error" in record:
             self._note(record)
-            text = fallback
-        else:
-            if record["truncated"]:
-                self._note({"line": record["line"], "warning": "truncated"})
-            text = record["correction"]
-        data = text.encode("utf-8") if isinstance(text, str) else text
+        elif record.get("truncated"):
+            self._note({"line": record["line"], "warning": "truncated"})
+        data = line.encode("utf-8") if isinstance(line, str) else line
         # One input line must stay one output line, whatever the model returned.
         _append(self.file, data.replace(b"\r\n", b" ").replace(b"\n", b" ") + b"\n")
 

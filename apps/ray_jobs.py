@@ -2,7 +2,7 @@
 
 The input (a path every node can read, e.g. shared storage) is split into blocks of consecutive
 lines, found by byte offset. A pool of Ray actors, each holding one loaded model, corrects the
-blocks with `batch.correct_lines`, the one-machine job's unit of work, so records and error
+blocks with `jobs.process_lines`, the one-machine job's unit of work, so records and error
 records are the same. The driver commits each finished block as a part file under
 `OUTPUT.ray-parts/` (written with the one-machine job's writers, fsync'ed, then renamed) and, when
 every block is committed, concatenates the parts in line order into OUTPUT (and, for a `.txt`
@@ -34,7 +34,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .jobs import BatchSummary, CorrectorLike, JsonlWriter, ResumeError, TextWriter, correct_lines, count_lines
+from .jobs import (BatchSummary, JobWorker, JsonlWriter, ResumeError, TextWriter, count_lines, input_format,
+                   process_lines, strip_line)
 
 # The default block size: about BLOCKS_PER_WORKER equal blocks per actor, so that the last ones
 # balance out, but at least MIN_BLOCK_LINES lines (twice the batched engine's default batch: a block
@@ -105,28 +106,25 @@ def read_block(path: str | Path, block: Block) -> Iterator[tuple[int, bytes]]:
     if len(data) != block.end - block.start:
         raise OSError(f"{path} is shorter than when the job started: it changed under the job")
     for number, raw in enumerate(data.split(b"\n")[: block.lines], block.first_line):
-        raw = raw[:-1] if raw.endswith(b"\r") else raw  # CRLF files
-        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM
-            raw = raw[3:]
-        yield number, raw
+        yield number, strip_line(number, raw)
 
 
 # ---- the actor ---------------------------------------------------------------------------
 
 class BlockWorker:
-    """A Ray actor: loads the model once, then corrects blocks of the input."""
+    """A Ray actor: loads the model once, then processes blocks of the input."""
 
-    def __init__(self, corrector_factory: Callable[[], CorrectorLike], threads: int) -> None:
+    def __init__(self, worker_factory: Callable[[], JobWorker], threads: int) -> None:
         import torch
 
         torch.set_num_threads(threads)  # the CPUs Ray reserved for this actor, no more
-        self.corrector = corrector_factory()
+        self.worker = worker_factory()
 
-    def correct(self, path: str, block: Block, fmt: str, field: str,
+    def process(self, path: str, block: Block, fmt: str, field: str,
                 max_tokens: int | None) -> tuple[int, list[tuple[dict, str | bytes]]]:
         """(this process's pid, (record, .txt fallback) of each line of the block)."""
-        limit = max_tokens if max_tokens is not None else self.corrector.context_limit
-        return os.getpid(), list(correct_lines(read_block(path, block), fmt, field, self.corrector, limit))
+        limit = max_tokens if max_tokens is not None else self.worker.max_tokens
+        return os.getpid(), list(process_lines(read_block(path, block), fmt, field, self.worker, limit))
 
 
 # ---- part files and the output -----------------------------------------------------------
@@ -212,13 +210,6 @@ def _concat(sources: list[Path], target: Path) -> None:
 
 # ---- the job ------------------------------------------------------------------------------
 
-def _format_of(path: Path, fmt: str | None) -> str:
-    fmt = fmt or path.suffix.lower().lstrip(".")
-    if fmt not in ("txt", "jsonl"):
-        raise ValueError(f"cannot tell the format of {path} from its extension: pass fmt='txt' or 'jsonl'")
-    return fmt
-
-
 def _job_file(parts: Parts, job: dict) -> int:
     """Record the job in its parts directory, or check a rerun is the same job; its block size."""
     path = parts.dir / "job.json"
@@ -283,7 +274,7 @@ def _connect(address: str) -> bool:
 def run_ray_batch(
     input_path: str | Path,
     output_path: str | Path,
-    corrector_factory: Callable[[], CorrectorLike],
+    worker_factory: Callable[[], JobWorker],
     *,
     address: str = "local",
     workers: int = 2,
@@ -297,11 +288,11 @@ def run_ray_batch(
     job_info: dict[str, Any] | None = None,
     on_block: Callable[[BlockDone], None] | None = None,
 ) -> BatchSummary:
-    """Correct every line of `input_path` into `output_path` on a Ray cluster, resuming a previous run.
+    """Process every line of `input_path` into `output_path` on a Ray cluster, resuming a previous run.
 
     `address`: "local" starts an in-process cluster, "auto" or "HOST:PORT" joins one started with
-    `ray start` (an already initialised Ray connection is used as is). `corrector_factory` runs in
-    each actor (picklable: e.g. `functools.partial(Corrector, "qwen2.5-0.5b")`). `block_lines`
+    `ray start` (an already initialised Ray connection is used as is). `worker_factory` runs in
+    each actor (picklable: e.g. `functools.partial(correction_worker, model="qwen2.5-0.5b")`). `block_lines`
     defaults to `default_block_lines` and is kept from the first run on resume.
     `job_info` (e.g. the model settings) is recorded, and a rerun with other settings is refused.
     The output, records and sidecar, is byte for byte what `run_batch` writes for the same corrections
@@ -311,7 +302,7 @@ def run_ray_batch(
     if workers < 1 or threads_per_worker < 1 or max_attempts < 1:
         raise ValueError("workers, threads_per_worker and max_attempts must be >= 1")
     input_path, output_path = Path(input_path).resolve(), Path(output_path).resolve()
-    fmt = _format_of(input_path, fmt)
+    fmt = input_format(input_path, fmt)
     if output_path == input_path:
         raise ValueError("the output path is the input path")
     parts = Parts(output_path)
@@ -344,7 +335,7 @@ def run_ray_batch(
             errors, warnings = errors + e, warnings + w
         todo = [b for b in blocks if not parts.committed(b.index)]
         if todo:
-            job = _Job(str(input_path), fmt, field, max_tokens, corrector_factory, threads_per_worker, parts)
+            job = _Job(str(input_path), fmt, field, max_tokens, worker_factory, threads_per_worker, parts)
             with tqdm(total=total, initial=resumed, unit="line", disable=not progress, dynamic_ncols=True) as bar:
                 bar.set_postfix(errors=errors, refresh=False)
                 e, w = _run_blocks(job, todo, address, workers, max_attempts, bar, errors, on_block)
@@ -362,14 +353,14 @@ class _Job:
     fmt: str
     field: str
     max_tokens: int | None
-    corrector_factory: Callable[[], CorrectorLike]
+    worker_factory: Callable[[], JobWorker]
     threads: int
     parts: Parts
 
 
 def _run_blocks(job: _Job, todo: list[Block], address: str, workers: int, max_attempts: int, bar: tqdm,
                 errors_before: int, on_block: Callable[[BlockDone], None] | None) -> tuple[int, int]:
-    """Correct and commit `todo` with a pool of actors; (errors, warnings) of these blocks."""
+    """Process and commit `todo` with a pool of actors; (errors, warnings) of these blocks."""
     started = _connect(address)
     import ray
     from ray.exceptions import RayError, RayTaskError
@@ -383,7 +374,7 @@ def _run_blocks(job: _Job, todo: list[Block], address: str, workers: int, max_at
     actors: list[Any] = []  # every actor started, to stop them all at the end
 
     def new_actor() -> Any:
-        actors.append(actor_class.remote(job.corrector_factory, job.threads))
+        actors.append(actor_class.remote(job.worker_factory, job.threads))
         return actors[-1]
 
     try:
@@ -394,7 +385,7 @@ def _run_blocks(job: _Job, todo: list[Block], address: str, workers: int, max_at
         while queue or running:
             while idle and queue:
                 actor, block = idle.pop(), queue.popleft()
-                running[actor.correct.remote(job.path, block, job.fmt, job.field, job.max_tokens)] = (actor, block)
+                running[actor.process.remote(job.path, block, job.fmt, job.field, job.max_tokens)] = (actor, block)
             [ref], _ = ray.wait(list(running), num_returns=1)
             actor, block = running.pop(ref)
             try:
@@ -414,7 +405,7 @@ def _run_blocks(job: _Job, todo: list[Block], address: str, workers: int, max_at
                 job.parts.commit(block.index, pairs)
                 block_errors = sum("error" in r for r, _ in pairs)
                 errors += block_errors
-                warnings += sum(bool(r["truncated"]) for r, _ in pairs if "error" not in r)
+                warnings += sum(bool(r.get("truncated")) for r, _ in pairs if "error" not in r)
                 bar.update(block.lines)
                 if on_block:
                     on_block(BlockDone(block, pid, block_errors))

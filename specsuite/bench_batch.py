@@ -92,7 +92,7 @@ def run_gec_batch(model_name: str, data: Path, n: int, batch_sizes: list[int], m
         with tempfile.TemporaryDirectory() as tmp:
             src, out = Path(tmp) / "in.txt", Path(tmp) / "out.jsonl"
             src.write_text("".join(sources[i] + "\n" for i in idx), encoding="utf-8")
-            run_batch(src, out, lambda: corrector, progress=False)
+            run_batch(src, out, corrector.job_worker, progress=False)
             records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
         # The job writes text: its tokens, for the counts (its identity is checked on the text, below).
         return [tok(r["correction"], add_special_tokens=False)["input_ids"] + end for r in records]

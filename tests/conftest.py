@@ -1,8 +1,17 @@
-"""Shared, generic fixtures only (test files keep their own helpers)."""
+"""Shared fixtures, and the markers they imply: a test that uses a fixture of MARKED_FIXTURES,
+directly or through another fixture, gets its marker (`-m "not real_model"` selects the fast tests)."""
 
 from pathlib import Path
 
 import pytest
+
+MARKED_FIXTURES = {"smollm2": "real_model", "smollm2_fp32": "real_model", "browser_page": "browser"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for name in set(MARKED_FIXTURES) & set(getattr(item, "fixturenames", ())):
+            item.add_marker(MARKED_FIXTURES[name])
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -1,4 +1,4 @@
-"""The resumable batch job, driven by a fake corrector (no model)."""
+"""The resumable batch job, driven by a rule-based corrector (no model), and once by the real one."""
 
 import json
 import os
@@ -6,22 +6,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from specsuite.apps.jobs import JsonlWriter, ResumeError, run_batch
-from specsuite.apps.gec.edits import Edit, word_diff
-
-
-@dataclass
-class FakeCorrection:
-    source: str
-    text: str
-    edits: list[Edit]
-    stats: dict = field(default_factory=dict)
-    truncated: bool = False
+from specsuite.apps.gec.corrector import Correction
+from specsuite.apps.gec.edits import word_diff
+from specsuite.apps.jobs import JobWorker, JsonlWriter, ResumeError, run_batch
 
 
 class FakeCorrector:
@@ -36,20 +27,32 @@ class FakeCorrector:
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
-    def correct(self, text: str) -> FakeCorrection:
+    def correct(self, text: str) -> Correction:
         self.calls += 1
         time.sleep(self.delay)
         if "BOOM" in text:
             raise RuntimeError("model exploded")
         fixed = fix(text)
-        return FakeCorrection(text, fixed, word_diff(text, fixed), {"acceptance_rate": 0.75}, "TRUNC" in text)
+        return Correction(text, fixed, word_diff(text, fixed), {"acceptance_rate": 0.75}, "TRUNC" in text)
+
+    def process_each(self, texts):
+        for text in texts:
+            try:
+                yield self.correct(text)
+            except Exception as e:  # noqa: BLE001 - reported per text, as Corrector.correct_each does
+                yield e
+
+    @classmethod
+    def worker(cls, **options) -> JobWorker:
+        corrector = cls(**options)
+        return JobWorker(corrector.process_each, corrector.count_tokens, corrector.context_limit)
 
 
 def fix(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def never() -> FakeCorrector:
+def never() -> JobWorker:
     raise AssertionError("the corrector was loaded for a finished job")
 
 
@@ -80,7 +83,7 @@ def check_complete(out: Path, lines: list[str]) -> None:
 
 def test_txt_input_to_jsonl_records(tmp_path):
     inp = write_lines(tmp_path / "in.txt", ["he go home.", "TRUNC she run"])
-    summary = run_batch(inp, tmp_path / "out.jsonl", FakeCorrector, progress=False)
+    summary = run_batch(inp, tmp_path / "out.jsonl", FakeCorrector.worker, progress=False)
     assert summary.total == 2 and summary.ok == 2 and summary.errors == 0
     assert summary.skipped_resumed == 0 and summary.warnings == 1
     first, second = read_jsonl(tmp_path / "out.jsonl")
@@ -96,7 +99,7 @@ def test_txt_input_to_jsonl_records(tmp_path):
 def test_jsonl_fields_pass_through(tmp_path):
     inp = tmp_path / "in.jsonl"
     write_lines(inp, [json.dumps({"id": 7, "body": "ok then.", "meta": {"tags": ["x"]}})])
-    run_batch(inp, tmp_path / "out.jsonl", FakeCorrector, field="body", progress=False)
+    run_batch(inp, tmp_path / "out.jsonl", FakeCorrector.worker, field="body", progress=False)
     (record,) = read_jsonl(tmp_path / "out.jsonl")
     assert record["id"] == 7 and record["meta"] == {"tags": ["x"]} and "body" not in record
     assert (record["line"], record["source"], record["correction"]) == (1, "ok then.", "Ok then.")
@@ -117,7 +120,7 @@ def test_bad_lines_become_error_records_and_the_job_goes_on(tmp_path):
         json.dumps({"text": "also fine."}),
     ]
     write_lines(inp, lines)
-    summary = run_batch(inp, tmp_path / "out.jsonl", FakeCorrector, progress=False)
+    summary = run_batch(inp, tmp_path / "out.jsonl", FakeCorrector.worker, progress=False)
     records = read_jsonl(tmp_path / "out.jsonl")
     assert [r["line"] for r in records] == list(range(1, 11))
     errors = {r["line"]: r["error"] for r in records if "error" in r}
@@ -127,7 +130,7 @@ def test_bad_lines_become_error_records_and_the_job_goes_on(tmp_path):
     assert errors[4] == "field 'text' is int, not a string"
     assert errors[5] == "empty text"
     assert errors[6] == "too long: 21 tokens > limit 20"
-    assert errors[7] == "correction failed: RuntimeError: model exploded"
+    assert errors[7] == "failed: RuntimeError: model exploded"
     assert errors[8] == "not a JSON object but list"
     assert records[9]["correction"] == "Also fine."
     assert (summary.total, summary.ok, summary.errors) == (10, 2, 8)
@@ -135,14 +138,14 @@ def test_bad_lines_become_error_records_and_the_job_goes_on(tmp_path):
 
 def test_max_tokens_overrides_the_context_limit(tmp_path):
     inp = write_lines(tmp_path / "in.txt", ["one two three", "one two"])
-    summary = run_batch(inp, tmp_path / "out.jsonl", FakeCorrector, progress=False, max_tokens=2)
+    summary = run_batch(inp, tmp_path / "out.jsonl", FakeCorrector.worker, progress=False, max_tokens=2)
     assert summary.errors == 1 and "too long" in read_jsonl(tmp_path / "out.jsonl")[0]["error"]
 
 
 def test_txt_output_with_invalid_utf8_crlf_and_bom(tmp_path):
     inp = tmp_path / "in.txt"
     inp.write_bytes(b"\xef\xbb\xbfhello there.\r\nbad \xff byte\r\n\r\nTRUNC it\r\nlast one")
-    summary = run_batch(inp, tmp_path / "out.txt", FakeCorrector, progress=False)
+    summary = run_batch(inp, tmp_path / "out.txt", FakeCorrector.worker, progress=False)
     assert (summary.total, summary.ok, summary.errors, summary.warnings) == (5, 3, 2, 1)
     # Failed lines are written as they came, so line numbers still match.
     assert (tmp_path / "out.txt").read_bytes() == b"Hello there.\nbad \xff byte\n\nTRUNC it\nLast one\n"
@@ -156,10 +159,10 @@ def test_txt_output_with_invalid_utf8_crlf_and_bom(tmp_path):
 def test_txt_output_keeps_one_line_per_input_line(tmp_path):
     class Multiline(FakeCorrector):
         def correct(self, text):
-            return FakeCorrection(text, "two\nlines\r\nhere", [])
+            return Correction(text, "two\nlines\r\nhere", [], {}, False)
 
     inp = write_lines(tmp_path / "in.txt", ["a", "b"])
-    run_batch(inp, tmp_path / "out.txt", Multiline, progress=False)
+    run_batch(inp, tmp_path / "out.txt", Multiline.worker, progress=False)
     assert (tmp_path / "out.txt").read_text() == "two lines here\ntwo lines here\n"
     assert not (tmp_path / "out.txt.errors.jsonl").exists()
 
@@ -167,13 +170,13 @@ def test_txt_output_keeps_one_line_per_input_line(tmp_path):
 def test_unknown_input_extension_needs_fmt(tmp_path):
     inp = write_lines(tmp_path / "in.data", ["x y"])
     with pytest.raises(ValueError):
-        run_batch(inp, tmp_path / "out.jsonl", FakeCorrector, progress=False)
-    assert run_batch(inp, tmp_path / "out.jsonl", FakeCorrector, fmt="txt", progress=False).ok == 1
+        run_batch(inp, tmp_path / "out.jsonl", FakeCorrector.worker, progress=False)
+    assert run_batch(inp, tmp_path / "out.jsonl", FakeCorrector.worker, fmt="txt", progress=False).ok == 1
 
 
 def test_progress_bar_runs(tmp_path, capsys):
     inp = write_lines(tmp_path / "in.txt", ["a b", "c d"])
-    run_batch(inp, tmp_path / "out.jsonl", FakeCorrector, progress=True)
+    run_batch(inp, tmp_path / "out.jsonl", FakeCorrector.worker, progress=True)
     err = capsys.readouterr().err
     assert "2/2" in err and "accept=75%" in err
 
@@ -184,7 +187,7 @@ def test_progress_bar_runs(tmp_path, capsys):
 def test_resuming_a_finished_job_does_not_load_the_corrector(tmp_path, suffix):
     inp = write_lines(tmp_path / "in.txt", ["a b", "BOOM", "TRUNC x"])
     out = tmp_path / f"out{suffix}"
-    first = run_batch(inp, out, FakeCorrector, progress=False)
+    first = run_batch(inp, out, FakeCorrector.worker, progress=False)
     again = run_batch(inp, out, never, progress=False)
     assert (again.total, again.ok, again.errors, again.warnings) == (first.total, first.ok, first.errors, first.warnings)
     assert again.skipped_resumed == 3 and again.errors == 1 and again.warnings == 1
@@ -213,13 +216,13 @@ def test_resume_after_kill_9(tmp_path, suffix):
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from test_jobs import FakeCorrector\n"
         "from specsuite.apps.jobs import run_batch\n"
-        f"run_batch({str(inp)!r}, {str(out)!r}, lambda: FakeCorrector(delay=0.05), progress=False)\n"
+        f"run_batch({str(inp)!r}, {str(out)!r}, lambda: FakeCorrector.worker(delay=0.05), progress=False)\n"
     )
     kill_9_after(subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"}),
                  out, lines=10, within_s=60)
     written = out.read_bytes().count(b"\n")
     assert 10 <= written < len(INPUT)
-    summary = run_batch(inp, out, FakeCorrector, progress=False)
+    summary = run_batch(inp, out, FakeCorrector.worker, progress=False)
     assert summary.skipped_resumed == written and summary.ok == len(INPUT)
     check_complete(out, INPUT)
 
@@ -228,10 +231,10 @@ def test_resume_after_kill_9(tmp_path, suffix):
 def test_partial_or_garbled_last_jsonl_line_is_repaired(tmp_path, tail):
     inp = write_lines(tmp_path / "in.txt", INPUT[:6])
     out = tmp_path / "out.jsonl"
-    run_batch(write_lines(tmp_path / "head.txt", INPUT[:3]), out, FakeCorrector, progress=False)
+    run_batch(write_lines(tmp_path / "head.txt", INPUT[:3]), out, FakeCorrector.worker, progress=False)
     with open(out, "ab") as f:
         f.write(tail)
-    summary = run_batch(inp, out, FakeCorrector, progress=False)
+    summary = run_batch(inp, out, FakeCorrector.worker, progress=False)
     if tail.startswith(b'{"line": 4}\n'):  # a complete (if odd) record 4 counts as done
         assert summary.skipped_resumed == 4
         assert [r["line"] for r in read_jsonl(out)] == [1, 2, 3, 4, 5, 6]
@@ -243,16 +246,16 @@ def test_partial_or_garbled_last_jsonl_line_is_repaired(tmp_path, tail):
 def test_partial_txt_line_and_early_sidecar_record_are_repaired(tmp_path):
     inp = write_lines(tmp_path / "in.txt", ["one.", "two.", "BOOM three.", "four."])
     out = tmp_path / "out.txt"
-    run_batch(write_lines(tmp_path / "head.txt", ["one.", "two."]), out, FakeCorrector, progress=False)
+    run_batch(write_lines(tmp_path / "head.txt", ["one.", "two."]), out, FakeCorrector.worker, progress=False)
     # A crash after the sidecar record of line 3 and half of its text line:
     with open(out, "ab") as f:
         f.write(b"BOOM th")
     (tmp_path / "out.txt.errors.jsonl").write_text(json.dumps({"line": 3, "error": "old"}) + "\n")
-    summary = run_batch(inp, out, FakeCorrector, progress=False)
+    summary = run_batch(inp, out, FakeCorrector.worker, progress=False)
     assert summary.skipped_resumed == 2 and summary.errors == 1
     assert out.read_text() == "One.\nTwo.\nBOOM three.\nFour.\n"
     (record,) = read_jsonl(tmp_path / "out.txt.errors.jsonl")
-    assert record["line"] == 3 and record["error"].startswith("correction failed")
+    assert record["line"] == 3 and record["error"].startswith("failed: ")
 
 
 def test_foreign_or_damaged_output_is_refused(tmp_path):
@@ -274,8 +277,8 @@ def test_two_runs_cannot_write_one_output(tmp_path):
     out = tmp_path / "out.jsonl"
     with JsonlWriter(out):
         with pytest.raises(RuntimeError, match="another run"):
-            run_batch(inp, out, FakeCorrector, progress=False)
-    assert run_batch(inp, out, FakeCorrector, progress=False).ok == 1
+            run_batch(inp, out, FakeCorrector.worker, progress=False)
+    assert run_batch(inp, out, FakeCorrector.worker, progress=False).ok == 1
 
 
 @pytest.mark.real_model
@@ -291,13 +294,13 @@ def test_resume_after_kill_9_with_a_batch_in_flight(tmp_path, smollm2_fp32):
         "from specsuite.apps.jobs import run_batch\n"
         "from specsuite.apps.gec.corrector import Corrector\n"
         f"run_batch({str(inp)!r}, {str(out)!r}, lambda: Corrector('smollm2-135m', dtype='fp32', max_new_tokens=24, "
-        "batch_size=8), progress=False)\n"
+        "batch_size=8).job_worker(), progress=False)\n"
     )
     kill_9_after(subprocess.Popen([sys.executable, "-c", script]), out, lines=1, within_s=300)
     written = out.read_bytes().count(b"\n")
     assert 1 <= written < len(lines)
     model, tok = smollm2_fp32
-    factory = lambda: Corrector.from_loaded(model, tok, max_new_tokens=24, batch_size=8)  # noqa: E731
+    factory = lambda: Corrector.from_loaded(model, tok, max_new_tokens=24, batch_size=8).job_worker()  # noqa: E731
     summary = run_batch(inp, out, factory, progress=False)
     assert summary.skipped_resumed == written and summary.ok == len(lines)
     whole = tmp_path / "whole.jsonl"

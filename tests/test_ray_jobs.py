@@ -14,7 +14,7 @@ import pytest
 
 from specsuite.apps import jobs as batch
 from specsuite.apps.jobs import run_batch
-from specsuite.apps.gec.corrector import Corrector
+from specsuite.apps.gec.corrector import Corrector, correction_worker
 from specsuite.apps.ray_jobs import BlockFailedError, count_lines, read_block, run_ray_batch, split_blocks
 
 if os.environ.get("CI"):  # CI installs the extra: a missing Ray is a failure there
@@ -62,7 +62,7 @@ def reference(smollm2, input_file, tmp_path_factory) -> dict[str, Path]:
     corrector = Corrector.from_loaded(*smollm2, max_new_tokens=MAX_NEW_TOKENS, batch_size=1)
     paths = {suffix: out / f"ref{suffix}" for suffix in (".txt", ".jsonl")}
     for path in paths.values():
-        run_batch(input_file, path, lambda: corrector, progress=False)
+        run_batch(input_file, path, corrector.job_worker, progress=False)
     return paths
 
 
@@ -93,7 +93,7 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/status").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
 
 
-_factory = functools.partial(Corrector, **SETTINGS)  # pickled to the actors, as the CLI does (exact)
+_factory = functools.partial(correction_worker, **SETTINGS)  # pickled to the actors, as the CLI does (exact)
 
 
 def _run(input_file: Path, output: Path, pids: set[int], on_block=None, settings=SETTINGS):
@@ -102,7 +102,7 @@ def _run(input_file: Path, output: Path, pids: set[int], on_block=None, settings
         if on_block:
             on_block(done)
 
-    return run_ray_batch(input_file, output, functools.partial(Corrector, **settings), workers=2,
+    return run_ray_batch(input_file, output, functools.partial(correction_worker, **settings), workers=2,
                          block_lines=BLOCK_LINES, progress=False, job_info=settings, on_block=record)
 
 

@@ -15,7 +15,7 @@ from specsuite.apps import limits
 from specsuite.models import DEFAULT_MODEL
 
 from specsuite.apps.jobs import ResumeError, run_batch
-from .corrector import DEFAULT_BATCH_SIZE, DRAFTERS, Corrector, combine_stats, demo_sentences
+from .corrector import DEFAULT_BATCH_SIZE, DRAFTERS, Corrector, combine_stats, correction_worker, demo_sentences
 from .gleu import corpus_gleu, read_tokenized, tokenize
 
 
@@ -62,7 +62,8 @@ def _correct(args: argparse.Namespace) -> int:
         if args.ray:
             summary = _correct_on_ray(args)
         else:
-            summary = run_batch(args.input, args.output, lambda: _corrector(args), fmt=args.format, field=args.field)
+            summary = run_batch(args.input, args.output, lambda: _corrector(args).job_worker(), fmt=args.format,
+                                field=args.field)
     except (OSError, ValueError, ResumeError, RuntimeError) as e:  # RuntimeError: the lock, model provisioning
         return _fail(str(e))
     resumed = f" ({summary.skipped_resumed} from an earlier run)" if summary.skipped_resumed else ""
@@ -81,7 +82,7 @@ def _correct_on_ray(args: argparse.Namespace):
     from specsuite.apps.ray_jobs import run_ray_batch
 
     settings = _settings(args)
-    factory = functools.partial(Corrector, **settings)  # pickled to every actor, which loads the model once
+    factory = functools.partial(correction_worker, **settings)  # pickled to every actor, which loads the model once
     return run_ray_batch(args.input, args.output, factory, address=args.ray, workers=args.workers,
                          threads_per_worker=args.threads_per_worker, fmt=args.format, field=args.field,
                          block_lines=args.block_lines, job_info=settings)

@@ -8,7 +8,6 @@ decoding writes, only faster), and the corrections are put back into the text's 
 from __future__ import annotations
 
 import functools
-import heapq
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -18,6 +17,8 @@ from specsuite.core import stream as stream_generation
 from specsuite.core.draft import Drafter
 from specsuite.core.engine import BatchEngine, Request, engine_supports
 from specsuite.core.generate import context_length
+from specsuite.apps.batching import decode_in_order
+from specsuite.apps.jobs import JobWorker
 from specsuite.models import DEFAULT_MODEL, load_model
 
 from .drafter import CopyDrafter
@@ -48,6 +49,16 @@ class Correction:
     edits: list[Edit]
     stats: dict
     truncated: bool  # a segment hit max_new_tokens (or the context): its correction is cut short
+
+    def to_record(self) -> dict:
+        """The correction as a record of the batch job (`specsuite gec correct`)."""
+        return {"source": self.source, "correction": self.text, "edits": [e.to_dict() for e in self.edits],
+                "stats": dict(self.stats or {}), "truncated": bool(self.truncated)}
+
+
+def correction_worker(**settings) -> JobWorker:
+    """The job worker of a `Corrector(**settings)`: a picklable factory, as the Ray job needs."""
+    return Corrector(**settings).job_worker()
 
 
 def demo_sentences() -> list[str]:
@@ -113,6 +124,10 @@ class Corrector:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def job_worker(self) -> JobWorker:
+        """This corrector as the worker of a batch job over a file (`apps/jobs.py`)."""
+        return JobWorker(self.correct_each, self.count_tokens, self.context_limit)
+
     def segments(self, text: str) -> list[Segment]:
         return split_segments(text, self.count_tokens, self.context_limit)
 
@@ -149,60 +164,19 @@ class Corrector:
     def _correct_batched(self, texts: Iterable[str], batch_size: int) -> Iterator[Correction | Exception]:
         engine = self._batch_engine()
         engine.batch_size = batch_size
-        # Texts are split into segments as they are read; every non-empty segment is one request.
-        # A text is done when its last segment is; texts are yielded in input order.
-        pending: dict[int, tuple[str, list[Segment], list[Generation | None], list[int]]] = {}
-        owner: list[tuple[int, int]] = []  # request index -> (text number, segment number)
-        failed: dict[int, Exception] = {}
-        next_out = 0
 
-        def segments() -> Iterator[tuple[int, int, str]]:
-            for t, text in enumerate(texts):
-                try:
-                    check_source(self, text)  # as correct() does
-                    parts = self.segments(text)
-                except Exception as e:  # noqa: BLE001
-                    pending[t] = (text, [], [], [0])
-                    failed[t] = e
-                    continue
-                todo = [i for i, seg in enumerate(parts) if seg.text]
-                pending[t] = (text, parts, [None] * len(parts), [len(todo)])
-                yield from ((t, i, parts[i].text) for i in todo)
+        def plan(text: str) -> tuple[tuple[str, list[Segment]], list[Request]]:
+            check_source(self, text)  # as correct() does
+            parts = self.segments(text)
+            return (text, parts), [self._request(s.text) for s in parts if s.text]
 
-        def requests() -> Iterator[Request]:
-            # The longest of the next 2 x batch_size segments first: a job then ends on short ones,
-            # not on a few long corrections decoding alone in a near-empty batch.
-            waiting: list[tuple[int, int, int, str]] = []
+        def finish(planned: tuple[str, list[Segment]], generations: list[Generation]) -> Correction:
+            text, parts = planned
+            decoded = iter(generations)  # one per non-empty segment, in order
+            return self._finish(text, parts, [next(decoded) if s.text else None for s in parts])
 
-            def longest() -> Request:
-                _, t, i, seg = heapq.heappop(waiting)
-                owner.append((t, i))
-                return self._request(seg)
-
-            for t, i, seg in segments():
-                heapq.heappush(waiting, (-len(seg), t, i, seg))
-                if len(waiting) >= 2 * batch_size:
-                    yield longest()
-            while waiting:
-                yield longest()
-
-        def ready() -> Iterator[Correction | Exception]:
-            nonlocal next_out
-            while next_out in pending and pending[next_out][3][0] == 0:
-                text, segments, generations, _ = pending.pop(next_out)
-                error = failed.pop(next_out, None)
-                yield error if error is not None else self._finish(text, segments, generations)
-                next_out += 1
-
-        for index, result in engine.run(requests()):
-            t, i = owner[index]
-            if isinstance(result, Exception):
-                failed.setdefault(t, result)
-            else:
-                pending[t][2][i] = result
-            pending[t][3][0] -= 1
-            yield from ready()
-        yield from ready()
+        # Every non-empty segment is one request; the longest of the next 2 x batch_size go first.
+        return decode_in_order(engine, texts, plan, finish, longest_first=2 * batch_size)
 
     def _batch_engine(self) -> BatchEngine:
         if self._engine is None:

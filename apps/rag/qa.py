@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, Union
 
+from specsuite.apps.batching import decode_in_order
+from specsuite.apps.jobs import JobWorker
 from specsuite.apps.limits import Deadline, InputError, check_k, check_limit, check_text
 from specsuite.core import (
     DraftModelDrafter, Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece, eos_token_ids,
@@ -223,43 +225,29 @@ class RagQA:
                 self._server = BatchServer(BatchEngine(self.model, self.batch_size, eos_token_id=self.eos))
             return self._server
 
+    def job_worker(self, k: int = 5, batch_size: int = 16) -> JobWorker:
+        """This app as the worker of a bulk job over a file of questions (`apps/jobs.py`)."""
+        return JobWorker(functools.partial(self.answer_each, k=k, batch_size=batch_size), self.count_tokens,
+                         self.max_question_tokens)
+
     def answer_each(self, questions: Iterable[str], k: int = 5, batch_size: int = 16) -> Iterator[Answer | Exception]:
         """Answers to `questions` (read lazily) from their `k` retrieved passages, in order,
         decoded together in the batched engine; a question that fails gives its exception (for
         bulk jobs: `specsuite rag answer`)."""
         k = check_k(k)
+
+        def plan(question: str) -> tuple[tuple[str, list[Scored], dict[str, Any]], list[Request]]:
+            question, _ = self.validate(question)
+            scored, extra = self._retrieve_timed(question, k)
+            prompt, drafter = self._request(question, scored)
+            return (question, scored, extra), [Request(prompt, drafter, max_new_tokens=self.max_new_tokens)]
+
+        def finish(asked: tuple[str, list[Scored], dict[str, Any]], generations: list[Generation]) -> Answer:
+            question, scored, extra = asked
+            return self._finish(question, scored, generations[0], extra)
+
         engine = BatchEngine(self.model, batch_size, eos_token_id=self.eos)
-        asked: dict[int, tuple[str, list[Scored], dict[str, Any]]] = {}
-        owner: list[int] = []  # request number -> question number
-        ready: dict[int, Answer | Exception] = {}  # finished or failed, by question number
-
-        def requests() -> Iterator[Request]:
-            for i, question in enumerate(questions):
-                try:
-                    question, _ = self.validate(question)
-                    scored, extra = self._retrieve_timed(question, k)
-                    prompt, drafter = self._request(question, scored)
-                except Exception as e:  # noqa: BLE001 - reported in its place
-                    ready[i] = e
-                    continue
-                asked[i] = (question, scored, extra)
-                owner.append(i)
-                yield Request(prompt, drafter, max_new_tokens=self.max_new_tokens)
-
-        next_out = 0
-
-        def in_order() -> Iterator[Answer | Exception]:
-            nonlocal next_out
-            while next_out in ready:
-                yield ready.pop(next_out)
-                next_out += 1
-
-        for index, result in engine.run(requests()):
-            i = owner[index]
-            question, scored, extra = asked.pop(i)
-            ready[i] = result if isinstance(result, Exception) else self._finish(question, scored, result, extra)
-            yield from in_order()
-        yield from in_order()
+        return decode_in_order(engine, questions, plan, finish)
 
     def _finish(self, question: str, scored: list[Scored], generation: Generation,
                 extra: dict[str, Any]) -> Answer:
