@@ -1,18 +1,24 @@
 """Limits on one request to an app: input checks that fail fast with a clear message, before any
-model work, and a time budget after which the request ends with an error and frees the model.
+model work; admission by cost (what a request costs on this machine, estimated from the measured
+step cost, against its time budget); and a time budget after which the request ends with an error
+and frees the model.
 
 Each app has one validation place built on these checks (`RagQA.validate`, `gec.limits.check_source`),
-used by its web UI, its API endpoint, its Python API and its CLI."""
+used by its web UI, its API endpoint, its Python API and its CLI; `admit` is called where the
+prompt is known, before it is queued for the model (docs/serving.md)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import threading
 import time
 from collections.abc import Callable
 
 DEFAULT_TIME_BUDGET_S = 180.0  # per web request, waiting for the model included
 MAX_K = 50  # passages per question
+# A question is not a book: the longest question the RAG app takes by default (--max-question-tokens).
+MAX_QUESTION_TOKENS = 1000
 # A text longer than this many characters per allowed token is refused without tokenizing it
 # (natural text averages ~4 characters a token), so a huge input costs nothing to refuse.
 MAX_CHARS_PER_TOKEN = 16
@@ -20,6 +26,11 @@ MAX_CHARS_PER_TOKEN = 16
 
 class InputError(ValueError):
     """A request refused before any model work; the message says why, for the user."""
+
+
+class OverBudgetError(InputError):
+    """A request whose estimated cost on this machine exceeds its time budget, refused before it
+    is queued for the model (the OpenAI-style server maps it to HTTP 408)."""
 
 
 class TimeBudgetExceeded(TimeoutError):
@@ -33,19 +44,20 @@ def _show(value: object, width: int = 40) -> str:
 
 def check_text(value: object, what: str, count_tokens: Callable[[str], int] | None = None,
                max_tokens: int | None = None) -> str:
-    """`value` if it is a non-blank string of at most `max_tokens` tokens (by `count_tokens`),
-    else InputError naming `what` ("text", "question") and the limit."""
+    """`value` if it is a non-blank string of at most `max_tokens` tokens (by `count_tokens`; without
+    it, only the character bound, e.g. in a CLI before the model loads), else InputError naming
+    `what` ("text", "question") and the limit."""
     if not isinstance(value, str):
         raise InputError(f"the {what} must be a string, got {type(value).__name__}: {_show(value)}")
     if not value.strip():
         raise InputError(f"the {what} is empty" if not value else f"the {what} is only whitespace")
-    if max_tokens is None or count_tokens is None:
+    if max_tokens is None:
         return value
     max_chars = max_tokens * MAX_CHARS_PER_TOKEN
     if len(value) > max_chars:
         raise InputError(f"the {what} is too long: {len(value):,} characters; the limit is {max_tokens:,} tokens "
                          f"(at most {max_chars:,} characters)")
-    if (n := count_tokens(value)) > max_tokens:
+    if count_tokens is not None and (n := count_tokens(value)) > max_tokens:
         raise InputError(f"the {what} is too long: {n:,} tokens; the limit is {max_tokens:,} tokens")
     return value
 
@@ -85,6 +97,42 @@ def token_limit_arg(text: str) -> int:
     return int(text)
 
 
+@functools.lru_cache(maxsize=8)
+def step_cost(model) -> Callable[[int], float] | None:
+    """Seconds of one engine forward by its rows on this machine, for this model (`StepCost`: the
+    core measures it once per machine, model and dtype and keeps it on disk), or None where the
+    batched engine does not run the model. The apps' one adapter to the core's measurement."""
+    from specsuite.core.engine import BatchEngine, engine_supports
+
+    if not engine_supports(model):
+        return None
+    return BatchEngine(model, 1).budget.cost  # the measurement (or its cached copy); no KV is made
+
+
+def estimate_s(model, prompt_tokens: int, answer_tokens: int) -> float | None:
+    """A lower bound on what a request costs on this machine, alone on the model: its prompt's rows
+    in one forward, then one one-row step per answer token (drafts only make that faster when
+    accepted; other callers in the batch make each step dearer). None: no measurement."""
+    cost = step_cost(model)
+    if cost is None:
+        return None
+    return (cost(prompt_tokens) if prompt_tokens else 0.0) + max(0, answer_tokens - 1) * cost(1)
+
+
+def admit(model, prompt_tokens: int, answer_tokens: int, deadline: "Deadline") -> None:
+    """Refuse (OverBudgetError, naming the estimate and the budget) a request that cannot finish
+    within what is left of its time budget even alone on the model; called before it is queued."""
+    left = deadline.remaining()
+    if left is None:
+        return
+    estimate = estimate_s(model, prompt_tokens, answer_tokens)
+    if estimate is not None and estimate > left:
+        raise OverBudgetError(
+            f"this request would take at least {estimate:.1f} s on this machine ({prompt_tokens:,} prompt tokens, "
+            f"up to {answer_tokens:,} answer tokens), more than the {left:.1f} s left of its time budget of "
+            f"{deadline.budget_s:g} s: send a shorter input")
+
+
 class Deadline:
     """The time by which a request must end, `budget_s` seconds after it is made (None: never)."""
 
@@ -95,17 +143,28 @@ class Deadline:
     def remaining(self) -> float | None:
         return None if self._end is None else max(0.0, self._end - time.monotonic())
 
+    def expired(self) -> bool:
+        return self._end is not None and time.monotonic() >= self._end
+
     def check(self) -> None:
         """Raise TimeBudgetExceeded once the time is up."""
-        if self._end is not None and time.monotonic() >= self._end:
-            raise TimeBudgetExceeded(f"the request ran past its time budget of {self.budget_s:g} s and was stopped")
+        if self.expired():
+            raise self.exceeded()
+
+    def exceeded(self) -> TimeBudgetExceeded:
+        """The error of a request that ran past its time budget."""
+        return TimeBudgetExceeded(f"the request ran past its time budget of {self.budget_s:g} s and was stopped")
+
+    def queued(self) -> TimeBudgetExceeded:
+        """The error of a request whose time budget ended while it waited for the model."""
+        return TimeBudgetExceeded(f"the model was busy with other requests for the whole time budget of "
+                                  f"{self.budget_s:g} s; try again later")
 
     def acquire(self, lock: threading.Lock) -> None:
         """Take `lock` (the model, busy with another request), waiting at most the time left."""
         left = self.remaining()
         if not lock.acquire(timeout=-1 if left is None else left):
-            raise TimeBudgetExceeded(f"the model was busy with other requests for the whole time budget of "
-                                     f"{self.budget_s:g} s; try again later")
+            raise self.queued()
 
     def on_step(self, inner: Callable | None = None) -> Callable:
         """A `generate(on_step=...)` callback that calls `inner`, then ends the generation (by

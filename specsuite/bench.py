@@ -25,6 +25,7 @@ from specsuite.core.backend import backend_for
 from specsuite.core.draft import FallbackDrafter
 from specsuite.core.chat import chat_prompt_ids
 from specsuite.models import DEFAULT_MODEL, load_model
+from specsuite import bench_serve_load
 from specsuite.retrieval.cli import _positive_int
 
 
@@ -282,6 +283,11 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def _run_cmd(args: argparse.Namespace) -> int:
+    if args.task == "serve-load":
+        return bench_serve_load.cmd(args)
+    if args.data is None:
+        print(f"error: bench {args.task} needs --data", file=sys.stderr)
+        return 2
     data = Path(args.data)
     if not data.exists():
         print(f"error: no such data file: {data}", file=sys.stderr)
@@ -348,11 +354,12 @@ def _cmd_gec_batch(args: argparse.Namespace, data: Path) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark our drafters against HF generate() on one model and data set")
-    p.add_argument("task", choices=sorted([*TASKS, "gec-batch", "rag-serve"]),
+    p.add_argument("task", choices=sorted([*TASKS, "gec-batch", "rag-serve", "serve-load"]),
                    help="gec-batch: sentences/s of a file, the batched engine vs HF generate() on padded batches; "
-                   "rag-serve: N concurrent calls of the RAG app's ask endpoint vs N sequential ones")
+                   "rag-serve: N concurrent calls of the RAG app's ask endpoint vs N sequential ones; "
+                   "serve-load: a web app under load from concurrent clients (specsuite/bench_serve_load.py)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
-    p.add_argument("--data", required=True, help="gec: a text file, one sentence a line; rag/summarize: Spec-Bench jsonl")
+    p.add_argument("--data", help="(all but serve-load) gec: a text file, one sentence a line; rag/summarize: Spec-Bench jsonl")
     p.add_argument("--n", type=_positive_int, default=10, help="number of prompts (default 10)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-model", help="a small model with the same tokenizer: adds hf_assisted and spec_draft_model")
@@ -372,4 +379,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--refs", nargs="+", help="gec-batch: reference files line-aligned with --data, for GLEU")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a chart here (needs matplotlib): speedups; gec-batch: sentences/s by batch size")
+    bench_serve_load.add_arguments(p)
     p.set_defaults(func=_cmd)

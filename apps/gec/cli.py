@@ -18,6 +18,8 @@ from specsuite.apps.jobs import ResumeError, run_batch
 from .corrector import DEFAULT_BATCH_SIZE, DRAFTERS, Corrector, combine_stats, correction_worker, demo_sentences
 from .gleu import corpus_gleu, read_tokenized, tokenize
 
+SERVE_BATCH_SIZE = 8  # `gec ui`: concurrent users' corrections decoded together in one running batch
+
 
 def _settings(args: argparse.Namespace) -> dict:
     """The `Corrector` arguments the model options ask for. --exact: one text at a time, on the
@@ -171,10 +173,21 @@ def _demo(args: argparse.Namespace) -> int:
         corrector = _corrector(args)
     except (ValueError, RuntimeError) as e:
         return _fail(str(e))
+    batched = corrector.batch_size > 1
+    start, plain = time.perf_counter(), 0.0
     for i, correction in enumerate(corrector.correct_many(demo_sentences()), 1):
         print(f"[{i}] {correction.source}\n  → {correction.text}")
         print("    edits: " + ("; ".join(_describe(e) for e in correction.edits) or "none"))
-        print(f"    {_speed_line(correction.stats)}" + (" [truncated]" if correction.truncated else ""))
+        s = correction.stats
+        # In a batch the sentences share forwards: a per-sentence "x vs plain" estimate is wrong.
+        speed = _speed_line({**s, "estimated_speedup": None}) if batched else _speed_line(s)
+        print(f"    {speed}" + (" [truncated]" if correction.truncated else ""))
+        plain += limits.estimate_s(corrector.model, s["prompt_tokens"] - s["cached_prompt_tokens"],
+                                   s["new_tokens"]) or 0.0
+    wall = time.perf_counter() - start
+    if batched and plain:
+        print(f"\nthe batch (size {corrector.batch_size}): {i} sentences in {wall:.2f} s; plain decoding one after "
+              f"another: ~{plain:.2f} s (estimate from this machine's step cost), ~{plain / wall:.2f}x")
     return 0
 
 
@@ -190,7 +203,8 @@ def _ui(args: argparse.Namespace) -> int:
     corrector.max_input_tokens = args.max_input_tokens  # None: the corrector's context_limit (gec/limits.py)
     from .ui import launch  # gradio takes seconds to import: only for this command
 
-    launch(corrector, host=args.host, port=args.port, share=args.share, time_budget_s=args.time_budget)
+    launch(corrector, host=args.host, port=args.port, share=args.share, time_budget_s=args.time_budget,
+           batch_size=1 if args.exact else args.batch_size)
     return 0
 
 
@@ -203,8 +217,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
     p.add_argument("--max-new-tokens", type=int, help="per segment (default 2 x its tokens + 16)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                   help=f"texts decoded together by the batched engine (default {DEFAULT_BATCH_SIZE}); the UI "
-                   "corrects one text at a time")
+                   help=f"texts decoded together by the batched engine (default {DEFAULT_BATCH_SIZE}; ui: "
+                   f"concurrent users' corrections, default {SERVE_BATCH_SIZE}; 1: one at a time, streamed)")
     p.add_argument("--exact", action="store_true", help="one text at a time on the exact forward forms "
                    "(backend exact), token for token what plain greedy decoding writes (the batched engine may "
                    "differ on near-ties, as batched HF generate() does)")
@@ -252,4 +266,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--time-budget", type=limits.time_budget_arg, default=limits.DEFAULT_TIME_BUDGET_S, metavar="S",
                    help="seconds a request may take, waiting included (default 180; 0: no limit)")
     _model_args(u)
-    u.set_defaults(func=_ui)
+    u.set_defaults(func=_ui, batch_size=SERVE_BATCH_SIZE)

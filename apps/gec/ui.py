@@ -7,28 +7,36 @@ The app also serves a plain JSON endpoint for programs:
     from gradio_client import Client
     Client("http://127.0.0.1:7860/").predict("She go to school yesterday .", api_name="/correct")
 
-A bad request (an empty text, one over the token limit, a wrong type) is refused at once with a
-`gr.Error` naming the problem (gradio_client raises it as an AppError), and a request that runs
-past the time budget ends with one. Events run concurrently, so a refusal never waits behind
-another request; corrections take turns on the model (a lock), each within its time budget.
+A bad request (an empty text, one over the token limit, a wrong type, one whose estimated cost
+exceeds the time budget) is refused at once with a `gr.Error` naming the problem (gradio_client
+raises it as an AppError), and a request that runs past the time budget ends with one, waiting
+included. Events run concurrently, so a refusal never waits behind another request. With a batch
+size above 1 the corrections of concurrent users decode together in one running batch
+(`BatchServer`); with 1 they take turns on the model (a lock) on the exact path, streamed.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 from html import escape
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no phoning home
 
 import gradio as gr
 
-from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, Deadline, InputError, TimeBudgetExceeded, check_limit
+from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, Deadline, InputError, TimeBudgetExceeded, admit, check_limit
+from specsuite.apps.serving import BatchServer, wait
 from specsuite.core import TextPiece
+from specsuite.core.engine import BatchEngine, engine_supports
 
 from .corrector import Correction, Corrector, demo_sentences
 from .limits import check_source
+from .prompt import instruction_ids
 
 DRAFT_STYLE = "background:#dbeafe;border-radius:3px"  # light blue: confirmed in one verify pass
 DEL_STYLE = "color:#b91c1c;background:#fee2e2;text-decoration:line-through"
@@ -89,16 +97,32 @@ def correction_json(correction: Correction) -> dict:
             "truncated": correction.truncated}
 
 
-def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S) -> gr.Blocks:
+def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S, batch_size: int = 1,
+              warm_up: bool = False) -> gr.Blocks:
     """The Blocks app around one loaded corrector, with the `correct` API endpoint.
-    time_budget_s: seconds a request may take (None: no limit), waiting for the model included."""
+    time_budget_s: seconds a request may take (None: no limit), waiting for the model included.
+    batch_size: concurrent corrections decoded together (1: one at a time, exact and streamed).
+    warm_up: run one short correction first (kernel checks, weight packing, the step cost), so the
+    first visitor does not pay for them."""
     check_limit(time_budget_s, "the time budget")
-    model = threading.Lock()  # one correction at a time; others wait within their time budget
+    model = threading.Lock()  # batch size 1: one correction at a time; others wait within their budget
+    server = None
+    if batch_size > 1 and engine_supports(corrector.model):
+        engine = BatchEngine(corrector.model, batch_size, eos_token_id=corrector.eos,
+                             prefix=instruction_ids(corrector.tokenizer))
+        server = BatchServer(engine)
 
     def corrections(text: object) -> Iterator[TextPiece | Correction]:
-        """`corrector.stream(text)` within the time budget; InputError or TimeBudgetExceeded."""
+        """The correction of `text` within the time budget (streamed at batch size 1);
+        InputError (OverBudgetError included) or TimeBudgetExceeded."""
         deadline = Deadline(time_budget_s)
         check_source(corrector, text)  # refused here, before waiting for the model
+        segments = corrector.segments(text)
+        requests = [corrector._request(s.text) for s in segments if s.text]
+        admit(corrector.model, sum(len(r.prompt) for r in requests), sum(r.max_new_tokens for r in requests), deadline)
+        if server is not None:
+            yield _batched(text, segments, requests, deadline)
+            return
         deadline.acquire(model)
         try:
             items = corrector.stream(text)
@@ -112,6 +136,26 @@ def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_B
                 items.close()
         finally:
             model.release()
+
+    def _batched(text: str, segments: list, requests: list, deadline: Deadline) -> Correction:
+        futures = [server.submit(replace(r, on_step=deadline.on_step()), deadline) for r in requests]
+        try:
+            generations = iter([wait(f, deadline) for f in futures])
+        finally:
+            for f in futures:
+                f.cancel()  # a segment failed or ran out of time: the queued others never start
+        correction = corrector._finish(text, segments, [next(generations) if s.text else None for s in segments])
+        # Its segments shared each forward with other users': a per-call speedup estimate means nothing.
+        correction.stats["estimated_speedup"] = None
+        return correction
+
+    if warm_up:
+        start = time.perf_counter()
+        print("warming up before serving: kernel checks, weight packing, the step cost, one short correction",
+              file=sys.stderr, flush=True)
+        for _ in corrections(demo_sentences()[0]):
+            pass
+        print(f"warm-up done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     def run(text: str) -> Iterator[tuple[str, str, str]]:
         pieces: list[TextPiece] = []
@@ -147,15 +191,16 @@ def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_B
         gr.Markdown("### Speed")
         stats = gr.HTML(elem_id="gec-stats")
         # No concurrency limit: a request is checked (and a bad one refused) at once, not behind a
-        # running one; the corrections themselves take turns on the model (the lock above).
+        # running one; the corrections themselves share the batch or take turns on the model.
         button.click(run, inputs=source, outputs=[output, diff, stats], concurrency_limit=None)
         gr.api(correct, api_name="correct", concurrency_limit=None)
     return app
 
 
 def launch(corrector: Corrector, host: str = "127.0.0.1", port: int = 7860, share: bool = False,
-           prevent_thread_lock: bool = False, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S) -> gr.Blocks:
-    """Build the app and serve it (blocking unless `prevent_thread_lock`); returns the app."""
-    app = build_app(corrector, time_budget_s)
+           prevent_thread_lock: bool = False, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S,
+           batch_size: int = 1) -> gr.Blocks:
+    """Build the app, warm it up, and serve it (blocking unless `prevent_thread_lock`); returns the app."""
+    app = build_app(corrector, time_budget_s, batch_size, warm_up=True)
     app.queue().launch(server_name=host, server_port=port, share=share, prevent_thread_lock=prevent_thread_lock)
     return app

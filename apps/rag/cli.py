@@ -54,7 +54,7 @@ def _print_answer(answer) -> None:
 def _ask(args: argparse.Namespace) -> int:
     try:
         # What needs no model is checked before loading it; qa.ask checks the rest (the token limit).
-        limits.check_text(args.question, "question")
+        limits.check_text(args.question, "question", max_tokens=args.max_question_tokens or limits.MAX_QUESTION_TOKENS)
         limits.check_k(args.k)
         qa = _load_qa(args, args.index_dir)
         _print_answer(qa.ask(args.question, args.k))
@@ -132,7 +132,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    "the passages have nothing to copy, e.g. qwen2.5-0.5b for --model qwen2.5-1.5b")
     p.add_argument("--max-new-tokens", type=retrieval_cli._positive_int, default=256, metavar="N")
     p.add_argument("--max-question-tokens", type=limits.token_limit_arg, metavar="N",
-                   help="longest question accepted (default: the model's context less --max-new-tokens)")
+                   help=f"longest question accepted (default {limits.MAX_QUESTION_TOKENS:,}: a question is not a "
+                   "book; less where the model's context less --max-new-tokens is smaller)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, Union
 
 from specsuite.apps.batching import decode_in_order
 from specsuite.apps.jobs import JobWorker
-from specsuite.apps.limits import Deadline, InputError, check_k, check_limit, check_text
+from specsuite.apps.limits import MAX_QUESTION_TOKENS, Deadline, InputError, admit, check_k, check_limit, check_text
 from specsuite.core import (
     DraftModelDrafter, Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece, eos_token_ids,
     generate, stream,
@@ -130,8 +130,8 @@ class RagQA:
         otherwise than a whole prefill and flip a later token (see the README's *Exactness*).
     draft_model: a small model with the same tokenizer (a preset name, e.g. "qwen2.5-0.5b" for the
         1.5B target) that drafts where the passages have nothing to copy (`FallbackDrafter`).
-    max_question_tokens: the longest question accepted (default: what fits the model's context with
-        the answer budget `max_new_tokens`). Every entry point checks its input first (`validate`):
+    max_question_tokens: the longest question accepted (default: `limits.MAX_QUESTION_TOKENS`, or
+        less where the model's context with the answer budget `max_new_tokens` holds less). Every entry point checks its input first (`validate`):
         a bad question or k is an InputError before any model work.
     """
 
@@ -174,7 +174,7 @@ class RagQA:
         if self.max_new_tokens >= self.context:
             raise ValueError(f"max_new_tokens ({max_new_tokens}) leaves no room in the model's context ({self.context})")
         self.max_question_tokens = int(check_limit(max_question_tokens, "max_question_tokens")
-                                       or self.context - max_new_tokens)
+                                       or min(MAX_QUESTION_TOKENS, self.context - max_new_tokens))
         if prefix_cache_bytes is None:
             prefix_cache_bytes = DEFAULT_PREFIX_CACHE_BYTES if lossless_by_default(model) else 0
         self.prefix_cache = PrefixCache(model.config, max_bytes=prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -207,10 +207,10 @@ class RagQA:
         return FallbackDrafter(drafter, DraftModelDrafter(self.draft_model))
 
     def _generate(self, prompt: list[int], drafter: Drafter, deadline: Deadline, on_step=None) -> Generation:
+        admit(self.model, len(prompt), self.max_new_tokens, deadline)  # OverBudgetError before any model work
         if self.batch_size > 1:
-            deadline.check()
             request = Request(prompt, drafter, max_new_tokens=self.max_new_tokens, on_step=deadline.on_step(on_step))
-            return self._batch_server().submit(request).result()
+            return self._batch_server().run(request, deadline)
         deadline.acquire(self._lock)  # waits for another request's generation, within the budget
         try:
             deadline.check()
