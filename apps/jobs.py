@@ -4,8 +4,9 @@ RAG answers), on one machine; `ray_jobs.py` runs the same unit of work on a Ray 
 An app plugs in a `JobWorker`: how it counts tokens, its longest text, and `process_each`,
 which turns texts into results (each with `.text` and `.to_record()`) or exceptions, in order.
 
-Input: `.txt` (one text per line) or `.jsonl` (one JSON object per line, the text in
-`field`). Lines are split on b"\\n" only and decoded one by one, so a bad line cannot
+Input: `.txt` (one text per line), `.jsonl` (one JSON object per line, the text in
+`field`), or an OpenAI Batch file (`.jsonl` whose first line is `{"custom_id", "method": "POST",
+"url": "/v1/chat/completions", "body": {...}}`: the text is the body's last user message). Lines are split on b"\\n" only and decoded one by one, so a bad line cannot
 stop the job: invalid UTF-8, malformed JSON, a missing or non-string field, an empty
 text, a text over the token limit, or a correction that raises becomes an error record
 naming the line, and the job goes on.
@@ -16,6 +17,10 @@ Output, chosen by the output path's extension:
   `{"line": N, <the input object's other fields>, <the result's record>}` (GEC: "source",
   "correction", "edits", "stats", "truncated") or `{"line": N, ..., "error": "..."}`. Our keys
   win over input fields of the same name.
+- for OpenAI Batch input, OpenAI Batch output (a `.jsonl` path): one line per input line, in order,
+  `{"id", "custom_id", "response": {"status_code", "body"}, "error"}`, the body the server's
+  (`openai_api.completion`), or its error (400 for a bad line, 500 for a failure). The job decodes
+  with the app's own settings: a body's max_tokens, temperature and stop are not applied.
 - `.txt`: each result's text, one line per input line (a failed line is written as its
   source, unchanged); error and truncation records go to the JSONL sidecar
   `OUTPUT.errors.jsonl` (`{"line": N, "error": ...}` / `{"line": N, "warning": "truncated"}`).
@@ -47,6 +52,9 @@ except ImportError:  # not POSIX: run without the lock
     fcntl = None
 
 from tqdm import tqdm
+
+from specsuite.apps import openai_api as api
+from specsuite.apps.limits import InputError
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,8 @@ def run_batch(
     """
     input_path, output_path = Path(input_path), Path(output_path)
     fmt = input_format(input_path, fmt)
+    if fmt == "openai" and output_path.suffix == ".txt":
+        raise ValueError("an OpenAI Batch input gives OpenAI Batch output: write it to a .jsonl path")
     if output_path.exists() and output_path.resolve() == input_path.resolve():
         raise ValueError("the output path is the input path")
     total = count_lines(input_path)
@@ -117,7 +127,7 @@ def run_batch(
         with tqdm(total=total, initial=done.lines, unit="sent", disable=not progress, dynamic_ncols=True) as bar:
             for record, line in process_lines(_lines(input_path, skip=done.lines), fmt, field, worker, limit):
                 writer.write(record, line)
-                if "error" in record:
+                if record.get("error") is not None:
                     errors += 1
                 else:
                     ok += 1
@@ -136,10 +146,18 @@ def run_batch(
 # ---- reading the input -------------------------------------------------------------------
 
 def input_format(path: Path, fmt: str | None = None) -> str:
-    """"txt" or "jsonl": `fmt`, or else the input's extension."""
+    """"txt", "jsonl" or "openai": `fmt`, or else the input's extension, a `.jsonl` whose first
+    line is an OpenAI Batch request being "openai"."""
     fmt = fmt or path.suffix.lower().lstrip(".")
-    if fmt not in ("txt", "jsonl"):
+    if fmt not in ("txt", "jsonl", "openai"):
         raise ValueError(f"cannot tell the format of {path} from its extension: pass fmt='txt' or 'jsonl'")
+    if fmt == "jsonl":
+        with open(path, "rb") as f:
+            first = f.readline()
+        try:
+            fmt = "openai" if api.is_batch_line(json.loads(strip_line(1, first.rstrip(b"\n")))) else fmt
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass
     return fmt
 
 
@@ -189,7 +207,7 @@ def process_lines(
     for result in worker.process_each(texts()):
         yield from errors_first()
         record, fallback, text = parsed.popleft()
-        yield _processed(record, fallback, text, result)
+        yield _batch_processed(record, result) if fmt == "openai" else _processed(record, fallback, text, result)
     yield from errors_first()
 
 
@@ -198,6 +216,8 @@ def _parse(
 ) -> tuple[dict, str | bytes, str | None]:
     """(record so far, what a `.txt` output writes if it is an error, the text to process): the
     record is an error record, and the text None, if the line cannot be processed."""
+    if fmt == "openai":
+        return _parse_batch_line(number, raw, worker, limit)
     fields: dict[str, Any] = {}
     try:
         line = raw.decode("utf-8")
@@ -236,6 +256,43 @@ def _processed(record: dict, fallback: str | bytes, text: str, result: Any) -> t
     if isinstance(result, Exception):
         return {**record, "source": text, "error": f"failed: {type(result).__name__}: {result}"}, fallback
     return {**record, **result.to_record()}, result.text
+
+
+def _parse_batch_line(number: int, raw: bytes, worker: JobWorker, limit: int) -> tuple[dict, bytes, str | None]:
+    """As `_parse`, for a line of an OpenAI Batch file: an error is its final output line; a line
+    to process gives {"custom_id", "model"}, which `_batch_processed` answers."""
+    custom_id = None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+        if not isinstance(obj, dict):
+            raise InputError(f"not a JSON object but {type(obj).__name__}")
+        custom_id = obj["custom_id"] if isinstance(obj.get("custom_id"), str) else None  # for the error record
+        custom_id, request = api.batch_request(obj)
+        text = request.last_user_text
+        if not text.strip():
+            raise InputError("the last user message is empty")
+        if (n := worker.count_tokens(text)) > limit:
+            raise InputError(f"the last user message is too long: {n} tokens > limit {limit}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return _batch_error(custom_id, 400, f"line {number}: not a JSON request: {e}"), b"", None
+    except InputError as e:
+        return _batch_error(custom_id, 400, f"line {number}: {e}"), b"", None
+    except Exception as e:  # noqa: BLE001 - a failure on one line must not end the job
+        return _batch_error(custom_id, 500, f"line {number}: {type(e).__name__}: {e}"), b"", None
+    return {"custom_id": custom_id, "model": request.model}, b"", text
+
+
+def _batch_processed(pending: dict, result: Any) -> tuple[dict, bytes]:
+    """The OpenAI Batch output line of a processed request: the same body as the server's."""
+    if isinstance(result, Exception):
+        status = 400 if isinstance(result, InputError) else 500
+        return _batch_error(pending["custom_id"], status, f"{type(result).__name__}: {result}"), b""
+    body = api.completion(api.reply_of(result), pending["model"])
+    return api.batch_output(pending["custom_id"], 200, body), b""
+
+
+def _batch_error(custom_id: str | None, status: int, message: str) -> dict:
+    return api.batch_output(custom_id, status, api.error(status, message))
 
 
 def _error(number: int, fields: dict, message: str, **extra: Any) -> dict:
@@ -290,7 +347,7 @@ def _read_records(path: Path) -> tuple[list[dict], int]:
                 record = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 record = None
-            if not isinstance(record, dict) or not isinstance(record.get("line"), int):
+            if not isinstance(record, dict) or not (isinstance(record.get("line"), int) or "custom_id" in record):
                 bad = len(records) + 1
                 continue
             records.append(record)
@@ -331,13 +388,13 @@ class JsonlWriter(_Writer):
     def resume(self) -> Done:
         records, size = _read_records(self.path)
         for expected, record in enumerate(records, 1):
-            if record["line"] != expected:
+            if record.get("line", expected) != expected:  # OpenAI Batch lines have no number: by count
                 raise ResumeError(f"{self.path}: record {expected} is for line {record['line']}")
         _truncate(self.path, size)
         return Done(
             len(records),
-            sum("error" in r for r in records),
-            sum(bool(r.get("truncated")) and "error" not in r for r in records),
+            sum(r.get("error") is not None for r in records),
+            sum(bool(r.get("truncated")) and r.get("error") is None for r in records),
         )
 
     def write(self, record: dict, line: str | bytes) -> None:

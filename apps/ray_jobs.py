@@ -189,8 +189,8 @@ def _counts(main: Path, sidecar: Path | None) -> tuple[int, int, int]:
     """(lines, errors, warnings) of an output in the one-machine job's format."""
     if sidecar is None:  # JSONL records
         records = [json.loads(line) for line in main.read_bytes().split(b"\n") if line]
-        errors = sum("error" in r for r in records)
-        return len(records), errors, sum(bool(r.get("truncated")) for r in records if "error" not in r)
+        errors = sum(r.get("error") is not None for r in records)  # OpenAI Batch lines have "error": null
+        return len(records), errors, sum(bool(r.get("truncated")) for r in records if r.get("error") is None)
     notes = [json.loads(line) for line in sidecar.read_bytes().split(b"\n") if line] if sidecar.exists() else []
     return (main.read_bytes().count(b"\n"), sum("error" in r for r in notes),
             sum("warning" in r for r in notes))
@@ -403,9 +403,9 @@ def _run_blocks(job: _Job, todo: list[Block], address: str, workers: int, max_at
                 idle.append(actor)
             else:
                 job.parts.commit(block.index, pairs)
-                block_errors = sum("error" in r for r, _ in pairs)
+                block_errors = sum(r.get("error") is not None for r, _ in pairs)
                 errors += block_errors
-                warnings += sum(bool(r.get("truncated")) for r, _ in pairs if "error" not in r)
+                warnings += sum(bool(r.get("truncated")) for r, _ in pairs if r.get("error") is None)
                 bar.update(block.lines)
                 if on_block:
                     on_block(BlockDone(block, pid, block_errors))

@@ -1,0 +1,344 @@
+"""The OpenAI-compatible server (`specsuite serve`): one loaded model, ONE running batch
+(`BatchServer`) shared by every endpoint, the apps behind the chat-completions protocol.
+
+    POST /v1/chat/completions   model: specsuite-gec | specsuite-rag | the model's name
+    GET  /v1/models
+    /gec, /rag                  the apps' Gradio UIs
+
+The apps' rules apply unchanged: GEC's `check_source`, `RagQA.validate`, a time budget per
+request (`Deadline`: 408 past it), and a bound on requests in the server (429 beyond it).
+`ChatService` turns a checked request (`openai_api.ChatRequest`) into a `Reply`; the batch jobs
+build their OpenAI Batch output lines from the apps' results with the same `openai_api` functions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from specsuite.apps import openai_api as api
+from specsuite.apps.gec.corrector import Corrector
+from specsuite.apps.gec.limits import check_source
+from specsuite.apps.gec.prompt import instruction_ids
+from specsuite.apps.limits import Deadline, InputError, TimeBudgetExceeded, check_limit, check_text
+from specsuite.apps.rag.qa import RagQA
+from specsuite.apps.serving import BatchServer
+from specsuite.core import Generation, PromptLookupDrafter, Sampling
+from specsuite.core.engine import BatchEngine, Request
+from specsuite.core.generate import context_length
+from specsuite.core.streaming import StreamClosed
+
+DEFAULT_BATCH_SIZE = 16
+DEFAULT_MAX_QUEUE = 64  # requests waiting for a slot of the batch beyond those decoding
+DEFAULT_CHAT_TOKENS = 256  # a plain chat's answer budget when the request sets no max_tokens
+RESULT_GRACE_S = 5.0  # past the deadline, the engine's next step ends the request: wait that long for it
+NO_BUDGET_WAIT_S = 24 * 3600.0  # the longest wait for a result when there is no time budget
+
+
+class QueueFull(RuntimeError):
+    """The server holds as many requests as it admits: try again later (429)."""
+
+
+class UnknownModel(LookupError):
+    """No such model on this server (404)."""
+
+
+@dataclass
+class Plan:
+    """A request as the batch runs it: its sequences, how their tokens read as text so far (for
+    streaming), and how the finished generations make the reply."""
+
+    requests: list[Request]
+    partial: Callable[[list[list[int]], list[bool]], str]
+    finish: Callable[[list[Generation]], api.Reply]
+
+
+class ChatService:
+    """The apps on one model behind the chat-completions protocol, every request in one batch."""
+
+    def __init__(self, corrector: Corrector, qa: RagQA, batch_size: int = DEFAULT_BATCH_SIZE,
+                 time_budget_s: float | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+                 model_name: str | None = None) -> None:
+        self.corrector, self.qa, self.tokenizer = corrector, qa, corrector.tokenizer
+        self.model = corrector.model
+        self.model_name = model_name or getattr(self.model, "name_or_preset", None) or "specsuite-model"
+        self.time_budget_s = check_limit(time_budget_s, "the time budget")
+        # GEC's instruction is the shared prefix: computed once, copied into each GEC slot.
+        engine = BatchEngine(self.model, batch_size, eos_token_id=corrector.eos, prefix=instruction_ids(self.tokenizer))
+        self.batch = BatchServer(engine)
+        qa._server = self.batch  # the RAG UI's requests join the same batch (RagQA with batch_size > 1)
+        self.max_requests = batch_size + max_queue
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_loaded(cls, model, tokenizer, index=None, batch_size: int = DEFAULT_BATCH_SIZE, **options) -> ChatService:
+        corrector = Corrector.from_loaded(model, tokenizer, batch_size=batch_size)
+        qa = RagQA.from_loaded(model, tokenizer, index, batch_size=max(2, batch_size))
+        return cls(corrector, qa, batch_size, **options)
+
+    @property
+    def models(self) -> list[str]:
+        return [api.GEC_MODEL, *([api.RAG_MODEL] if self.qa.index is not None else []), self.model_name]
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Take one of the server's request places (give it back with `release`), or QueueFull."""
+        with self._lock:
+            if self._held >= self.max_requests:
+                raise QueueFull(f"the server holds {self._held} requests, its limit; try again later")
+            self._held += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._held -= 1
+
+    # ---- plans -------------------------------------------------------------------------------
+
+    def plan(self, req: api.ChatRequest) -> Plan:
+        """The request's sequences, checked by the app's own rules (InputError), before any model work."""
+        if req.model == api.GEC_MODEL:
+            plan = self._plan_gec(req)
+        elif req.model == api.RAG_MODEL and self.qa.index is not None:
+            plan = self._plan_rag(req)
+        elif req.model == self.model_name:
+            plan = self._plan_chat(req)
+        else:
+            raise UnknownModel(f"the model {req.model!r} does not exist; this server has {', '.join(self.models)}")
+        sampling = Sampling(req.temperature, top_p=req.top_p) if req.temperature else None
+        generator = torch.Generator().manual_seed(req.seed) if sampling and req.seed is not None else None
+        plan.requests = [dataclasses.replace(r, sampling=sampling, generator=generator,
+                                             max_new_tokens=min(r.max_new_tokens, req.max_tokens or r.max_new_tokens),
+                                             stop_strings=tuple(req.stop), tokenizer=self.tokenizer)
+                         for r in plan.requests]
+        return plan
+
+    def _plan_gec(self, req: api.ChatRequest) -> Plan:
+        text = check_source(self.corrector, req.last_user_text)
+        segments = self.corrector.segments(text)
+        parts = [s for s in segments if s.text]
+
+        def partial(tokens: list[list[int]], done: list[bool]) -> str:
+            # The text up to the first unfinished segment's correction so far.
+            text, pos = "", 0
+            for segment in segments:
+                text += segment.lead
+                if segment.text:
+                    text += self._text(tokens[pos])
+                    if not done[pos]:
+                        return text
+                    pos += 1
+                text += segment.trail
+            return text
+
+        def finish(generations: list[Generation]) -> api.Reply:
+            decoded = iter(generations)
+            return api.reply_of(self.corrector._finish(text, segments, [next(decoded) if s.text else None
+                                                                         for s in segments]))
+
+        return Plan([self.corrector._request(s.text) for s in parts], partial, finish)
+
+    def _plan_rag(self, req: api.ChatRequest) -> Plan:
+        question, k = self.qa.validate(req.last_user_text, req.k or 5)
+        scored, extra = self.qa._retrieve_timed(question, k)
+        prompt, drafter = self.qa._request(question, scored)
+
+        def finish(generations: list[Generation]) -> api.Reply:
+            return api.reply_of(self.qa._finish(question, scored, generations[0], extra))
+
+        request = Request(prompt, drafter, max_new_tokens=self.qa.max_new_tokens)
+        return Plan([request], lambda tokens, done: self._text(tokens[0]), finish)
+
+    def _plan_chat(self, req: api.ChatRequest) -> Plan:
+        check_text(req.last_user_text, "message")
+        prompt = list(self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
+                                                         return_dict=True)["input_ids"])
+        budget = req.max_tokens or DEFAULT_CHAT_TOKENS
+        if len(prompt) + budget > (context := context_length(self.model)):
+            raise InputError(f"the messages take {len(prompt):,} tokens; with max_tokens {budget:,} they do not fit "
+                             f"the model's context of {context:,} tokens")
+
+        def finish(generations: list[Generation]) -> api.Reply:
+            g = generations[0]
+            s = g.stats
+            stats = {**s.as_dict(), "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens}
+            return api.Reply(self._text(g.tokens), "length" if g.finish_reason in ("length", "context") else "stop", stats)
+
+        return Plan([Request(prompt, PromptLookupDrafter(), max_new_tokens=budget)],
+                    lambda tokens, done: self._text(tokens[0]), finish)
+
+    def _text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def _submit(self, plan: Plan, deadline: Deadline, on_step: Callable[[int, list[int]], None] | None = None):
+        """Every sequence of the plan into the batch; their Futures."""
+        futures = []
+        for i, request in enumerate(plan.requests):
+            inner = None if on_step is None else (lambda tokens, flags, i=i: on_step(i, tokens))
+            futures.append(self.batch.submit(dataclasses.replace(request, on_step=deadline.on_step(inner))))
+        return futures
+
+    def _wait(self, futures, deadline: Deadline) -> list[Generation]:
+        out = []
+        for future in futures:
+            left = deadline.remaining()
+            try:
+                out.append(future.result(timeout=NO_BUDGET_WAIT_S if left is None else left + RESULT_GRACE_S))
+            except TimeoutError:  # never stepped (the batch was full): it ends at its first step
+                raise TimeBudgetExceeded(f"the request ran past its time budget of {deadline.budget_s:g} s "
+                                         "waiting for the model") from None
+        return out
+
+    def complete(self, req: api.ChatRequest, plan: Plan) -> api.Reply:
+        deadline = Deadline(self.time_budget_s)
+        return _cut_at_stop(plan.finish(self._wait(self._submit(plan, deadline), deadline)), req.stop)
+
+    def stream(self, req: api.ChatRequest, plan: Plan) -> Iterator[str | api.Reply]:
+        """The content's deltas as the batch decodes it, then the Reply. Closing the iterator ends
+        the sequences at their next step."""
+        deadline = Deadline(self.time_budget_s)
+        tokens: list[list[int]] = [[] for _ in plan.requests]
+        steps: queue.Queue[int] = queue.Queue()
+        closed = threading.Event()
+
+        def on_step(i: int, new: list[int]) -> None:
+            if closed.is_set():
+                raise StreamClosed("the client closed the stream")
+            tokens[i] += new
+            steps.put(i)
+
+        futures = self._submit(plan, deadline, on_step)
+        hold = max((len(s) for s in req.stop), default=0)  # a stop string may still be forming
+        sent = ""
+        try:
+            while not all(f.done() for f in futures):
+                try:
+                    steps.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                text = _cut(plan.partial([list(t) for t in tokens], [f.done() for f in futures]), req.stop)
+                text = text[: len(text) - hold] if hold else text
+                if len(text) > len(sent) and text.startswith(sent):
+                    yield text[len(sent):]
+                    sent = text
+            reply = _cut_at_stop(plan.finish(self._wait(futures, deadline)), req.stop)
+            if len(reply.content) > len(sent) and reply.content.startswith(sent):
+                yield reply.content[len(sent):]
+            yield reply
+        finally:
+            closed.set()
+
+
+def _cut(text: str, stop: list[str]) -> str:
+    ends = [text.find(s) for s in stop if s in text]
+    return text[: min(ends)] if ends else text
+
+
+def _cut_at_stop(reply: api.Reply, stop: list[str]) -> api.Reply:
+    """The reply without the stop string the generation ended on (OpenAI leaves it out)."""
+    content = _cut(reply.content, stop)
+    return reply if content == reply.content else dataclasses.replace(reply, content=content, finish_reason="stop")
+
+
+# ---- the HTTP app ----------------------------------------------------------------------------
+
+STATUS = {InputError: 400, UnknownModel: 404, TimeBudgetExceeded: 408, QueueFull: 429}
+
+
+def _status(e: Exception) -> int | None:
+    return next((code for kind, code in STATUS.items() if isinstance(e, kind)), None)
+
+
+def create_app(service: ChatService, ui: bool = True):
+    """The FastAPI app over `service`; with `ui`, the GEC and RAG Gradio apps at /gec and /rag."""
+    app = FastAPI(title="specsuite", description=__doc__)
+
+    def fail(status: int, message: str) -> JSONResponse:
+        return JSONResponse(api.error(status, message), status_code=status)
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "specsuite"}
+                                           for m in service.models]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return fail(400, f"the request body is not JSON: {e}")
+        try:
+            req = api.parse_chat_request(body)
+            service.admit()
+        except Exception as e:  # noqa: BLE001 - mapped to its status below
+            if (status := _status(e)) is None:
+                raise
+            return fail(status, str(e))
+        try:
+            plan = await run_in_threadpool(service.plan, req)  # the app's checks; retrieval for RAG
+            if not req.stream:
+                reply = await run_in_threadpool(service.complete, req, plan)
+                service.release()
+                return api.completion(reply, req.model)
+        except Exception as e:  # noqa: BLE001
+            service.release()
+            if (status := _status(e)) is None:
+                raise
+            return fail(status, str(e))
+        return StreamingResponse(_events(service, req, plan), media_type="text/event-stream")
+
+    if ui:
+        import gradio as gr
+
+        from specsuite.apps.gec import ui as gec_ui
+        from specsuite.apps.rag import ui as rag_ui
+
+        gr.mount_gradio_app(app, gec_ui.build_app(service.corrector, service.time_budget_s), path="/gec")
+        if service.qa.index is not None:
+            gr.mount_gradio_app(app, rag_ui.build_app(service.qa, time_budget_s=service.time_budget_s), path="/rag")
+    return app
+
+
+def _events(service: ChatService, req: api.ChatRequest, plan: Plan) -> Iterator[bytes]:
+    """The server-sent events of a streamed completion (run by Starlette in a worker thread)."""
+    id_, created = api.completion_id(), int(time.time())
+    try:
+        yield api.sse(api.chunk(id_, req.model, created, {"role": "assistant", "content": ""}))
+        for item in service.stream(req, plan):
+            if isinstance(item, str):
+                yield api.sse(api.chunk(id_, req.model, created, {"content": item}))
+                continue
+            yield api.sse(api.chunk(id_, req.model, created, {}, item.finish_reason, **item.extras,
+                                    speculation=api.speculation(item.stats)))
+            if req.include_usage:
+                yield api.sse(api.chunk(id_, req.model, created, usage=api.usage(item.stats)))
+    except Exception as e:  # noqa: BLE001 - after the first byte the status is sent: the error is an event
+        status = _status(e) or 500
+        yield api.sse(api.error(status, str(e) if status != 500 else f"{type(e).__name__}: {e}"))
+    finally:
+        service.release()
+    yield api.sse("[DONE]")
+
+
+def loading_app(model: str):
+    """What the port answers while the model loads: 503 to every request."""
+    app = FastAPI()
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    def loading(path: str) -> JSONResponse:
+        return JSONResponse(api.error(503, f"the server is loading {model}; try again shortly"), status_code=503,
+                            headers={"Retry-After": "5"})
+
+    return app

@@ -1,0 +1,68 @@
+"""`specsuite serve`: the OpenAI-compatible server (apps/server.py) on one model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+from specsuite.apps import limits
+from specsuite.models import DEFAULT_MODEL
+
+from .server import DEFAULT_BATCH_SIZE, DEFAULT_MAX_QUEUE
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .server import ChatService, create_app, loading_app
+
+    # The port answers 503 while the model loads, so clients can wait for it (Retry-After).
+    loading = uvicorn.Server(uvicorn.Config(loading_app(args.model), host=args.host, port=args.port, log_level="warning"))
+    thread = threading.Thread(target=loading.run, daemon=True)
+    thread.start()
+    try:
+        from specsuite.models import load_model
+
+        model, tokenizer = load_model(args.model, dtype=args.dtype)
+        index = None
+        if args.index:
+            from specsuite.retrieval import PassageIndex
+
+            index = PassageIndex.load(args.index)
+        service = ChatService.from_loaded(model, tokenizer, index, batch_size=args.batch_size,
+                                          time_budget_s=args.time_budget, max_queue=args.max_queue,
+                                          model_name=args.model_name)
+        app = create_app(service, ui=not args.no_ui)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        loading.should_exit = True
+        thread.join()
+    print(f"serving {', '.join(service.models)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _positive(text: str) -> int:
+    return limits.token_limit_arg(text)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions) with the GEC and RAG apps")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name or local model directory (default {DEFAULT_MODEL})")
+    p.add_argument("--model-name", help="the name clients use for plain chat (default: --model)")
+    p.add_argument("--index", help="a passage index (`specsuite rag index`): serves the specsuite-rag model")
+    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--batch-size", type=_positive, default=DEFAULT_BATCH_SIZE,
+                   help=f"sequences decoded together in the one running batch (default {DEFAULT_BATCH_SIZE})")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"requests waiting beyond the batch before 429 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--time-budget", type=limits.time_budget_arg, default=limits.DEFAULT_TIME_BUDGET_S, metavar="S",
+                   help="seconds a request may take, waiting included (default 180; 0: no limit): 408 past it")
+    p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio apps at /gec and /rag")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_serve)

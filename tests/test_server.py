@@ -1,0 +1,217 @@
+"""The OpenAI-compatible server, started for real (uvicorn on a free port) on smollm2-135m (fp32,
+where the batch's rows round as one-row steps do), called with the official `openai` client."""
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from specsuite.apps import openai_api as api
+from specsuite.apps.limits import InputError
+
+openai = pytest.importorskip("openai")
+
+DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
+TEXT = "She go to school yesterday and buyed a apple.\nHe have two cat."
+SENTENCES = ["I has a dog.", "They was happy.", "She go home.", "We is here now.", "He like apples.",
+             "The cats is sleeping.", "I goes to work.", "You was right."]
+QUESTION = "Who commanded Apollo 11?"
+
+
+def serve(app):
+    """Run `app` with uvicorn in a thread; (base URL, stop function)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+
+    def stop():
+        server.should_exit = True
+        thread.join(30)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+@pytest.fixture(scope="module")
+def demo_index():
+    from specsuite.retrieval import Embedder, PassageIndex, load_documents
+
+    return PassageIndex.build(load_documents([DEMO_CORPUS]), Embedder("minilm-l6"))
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_fp32, demo_index):
+    from specsuite.apps.server import ChatService, create_app
+
+    service = ChatService.from_loaded(*smollm2_fp32, demo_index, batch_size=8, model_name="smollm2-135m")
+    url, stop = serve(create_app(service))
+    yield service, url
+    stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="none", max_retries=0)
+
+
+def streamed(client, **kwargs) -> tuple[str, list]:
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
+
+
+# ---- the protocol, without a model -----------------------------------------------------------
+
+def test_parse_chat_request_checks_the_body():
+    req = api.parse_chat_request({"model": "m", "messages": [{"role": "system", "content": "s"},
+                                                             {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                  "stop": "x", "max_tokens": 5, "temperature": 0.7, "k": 3})
+    assert req.last_user_text == "hi" and req.stop == ["x"] and req.max_tokens == 5 and req.k == 3
+    for body, message in [([], "JSON object"), ({"messages": []}, "'model'"), ({"model": "m", "messages": []}, "messages"),
+                          ({"model": "m", "messages": [{"role": "bot", "content": "x"}]}, "role"),
+                          ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "string"),
+                          ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+                          ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature"),
+                          ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n=1"),
+                          ({"model": "m", "messages": [{"role": "user", "content": "x"}], "k": 0}, "k")]:
+        with pytest.raises(InputError, match=message):
+            api.parse_chat_request(body)
+    with pytest.raises(InputError, match="no user message"):
+        api.parse_chat_request({"model": "m", "messages": [{"role": "system", "content": "s"}]}).last_user_text
+
+
+def test_sse_and_error_shapes():
+    assert api.sse("[DONE]") == b"data: [DONE]\n\n"
+    assert json.loads(api.sse({"a": "é"})[6:]) == {"a": "é"}
+    assert api.error(408, "late") == {"error": {"message": "late", "type": "timeout_error", "param": None, "code": None}}
+    out = api.batch_output("r1", 400, api.error(400, "bad"))
+    assert out["custom_id"] == "r1" and out["response"]["status_code"] == 400 and out["error"]["message"] == "bad"
+
+
+# ---- the real server -------------------------------------------------------------------------
+
+def test_models_and_the_mounted_uis(server, client):
+    import httpx
+
+    service, url = server
+    assert {m.id for m in client.models.list()} == {"specsuite-gec", "specsuite-rag", "smollm2-135m"}
+    for path in ("/gec/", "/rag/"):
+        response = httpx.get(url + path, timeout=60, follow_redirects=True)
+        assert response.status_code == 200 and "gradio" in response.text.lower()
+
+
+def test_gec_correction_equals_corrector_streamed_or_not(smollm2_fp32, client):
+    from specsuite.apps.gec.corrector import Corrector
+
+    expected = Corrector.from_loaded(*smollm2_fp32).correct(TEXT)
+    response = client.chat.completions.create(model="specsuite-gec", messages=[{"role": "user", "content": TEXT}])
+    assert response.choices[0].message.content == expected.text
+    assert response.choices[0].finish_reason == ("length" if expected.truncated else "stop")
+    extra = response.model_extra
+    assert extra["edits"] == [e.to_dict() for e in expected.edits] and extra["edits"]
+    assert response.usage.completion_tokens == expected.stats["new_tokens"] > 0
+    assert extra["speculation"]["accepted_tokens"] > 0  # copy drafts were verified
+    text, chunks = streamed(client, model="specsuite-gec", messages=[{"role": "user", "content": TEXT}])
+    assert text == expected.text and len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1
+    assert chunks[-1].choices[0].finish_reason == response.choices[0].finish_reason and chunks[-1].model_extra["edits"] == extra["edits"]
+
+
+def test_rag_answer_with_citations_equals_ragqa_ask(smollm2_fp32, demo_index, client):
+    from specsuite.apps.rag.qa import RagQA
+
+    expected = RagQA.from_loaded(*smollm2_fp32, demo_index, max_new_tokens=24).ask(QUESTION, 2)
+    body = dict(model="specsuite-rag", messages=[{"role": "user", "content": QUESTION}], max_tokens=24,
+                extra_body={"k": 2})
+    response = client.chat.completions.create(**body)
+    assert response.choices[0].message.content == expected.text
+    extra = response.model_extra
+    assert extra["citations"] == expected.citations and len(extra["passages"]) == 2
+    assert extra["passages"] == expected.to_json()["passages"] and "spans" in extra
+    text, chunks = streamed(client, **body)
+    assert text == expected.text and chunks[-1].model_extra["citations"] == expected.citations
+
+
+def test_plain_chat_streamed_or_not_equals_greedy(smollm2_fp32, client):
+    from specsuite.core import generate
+
+    model, tok = smollm2_fp32
+    messages = [{"role": "user", "content": "Name three colors."}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    g = generate(model, list(prompt), max_new_tokens=16)
+    greedy, n = tok.decode(g.tokens, skip_special_tokens=True).strip(), g.stats.new_tokens
+    response = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=16)
+    assert response.choices[0].message.content == greedy
+    assert response.usage.completion_tokens == n
+    assert response.choices[0].finish_reason == ("length" if g.finish_reason == "length" else "stop")
+    text, chunks = streamed(client, model="smollm2-135m", messages=messages, max_tokens=16,
+                            stream_options={"include_usage": True})
+    assert text == greedy and chunks[-1].usage.completion_tokens == n and not chunks[-1].choices
+
+
+def test_stop_and_sampling(client):
+    messages = [{"role": "user", "content": "Count from one to ten in words."}]
+    full = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24).choices[0].message.content
+    word = full.split()[1]
+    cut = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24, stop=[word])
+    assert cut.choices[0].message.content == full[: full.index(word)] and cut.choices[0].finish_reason == "stop"
+    sampled = [client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=1.0,
+                                              seed=s).choices[0].message.content for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1]  # a seed makes speculative sampling repeatable
+
+
+def test_bad_input_is_a_400_with_a_message(client, server):
+    import httpx
+
+    for model, content, message in [("specsuite-gec", "   ", "whitespace"), ("specsuite-gec", "x " * 20000, "too long"),
+                                    ("specsuite-rag", "", "empty")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}])
+        assert e.value.status_code == 400 and message in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    response = httpx.post(server[1] + "/v1/chat/completions", content=b"{not json", timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_request_over_its_time_budget_gets_408(smollm2_fp32):
+    from specsuite.apps.server import ChatService, create_app
+
+    service = ChatService.from_loaded(*smollm2_fp32, batch_size=2, time_budget_s=0.05)
+    url, stop = serve(create_app(service, ui=False))
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        long_text = " ".join(SENTENCES * 4)
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model="specsuite-gec", messages=[{"role": "user", "content": long_text}])
+        assert e.value.status_code == 408 and "time budget" in e.value.body["message"]
+        chunks = client.chat.completions.create(model="specsuite-gec", stream=True,
+                                                messages=[{"role": "user", "content": long_text}])
+        with pytest.raises(openai.APIError, match="time budget"):  # mid-stream: an error event
+            list(chunks)
+    finally:
+        stop()
+
+
+def test_eight_concurrent_clients_share_one_batch(server, client):
+    service, _ = server
+
+    def correct(text: str):
+        return client.chat.completions.create(model="specsuite-gec", messages=[{"role": "user", "content": text}])
+
+    alone = [correct(s).choices[0].message.content for s in SENTENCES]
+    before = service.batch.engine.forward_passes
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(correct, SENTENCES))
+    forwards = service.batch.engine.forward_passes - before
+    assert [r.choices[0].message.content for r in together] == alone
+    sequential = sum(r.model_extra["speculation"]["forward_passes"] for r in together)
+    assert forwards < sequential  # the sequences stepped in shared forwards
