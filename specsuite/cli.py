@@ -8,7 +8,8 @@ import os
 import sys
 
 # Each module has `register(subparsers)`, adding its subcommands with `func=` handlers that return an exit code.
-COMMAND_MODULES = ["specsuite.models_cli", "specsuite.bench", "specsuite.bench_ray", "specsuite.step_cost", "specsuite.apps.gec.cli", "specsuite.apps.rag.cli"]
+COMMAND_MODULES = ["specsuite.models_cli", "specsuite.bench", "specsuite.bench_ray", "specsuite.step_cost", "specsuite.apps.gec.cli", "specsuite.apps.rag.cli",
+                   "specsuite.apps.eval_cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:

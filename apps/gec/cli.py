@@ -17,6 +17,7 @@ from specsuite.models import DEFAULT_MODEL
 from specsuite.apps.jobs import ResumeError, run_batch
 from .corrector import DEFAULT_BATCH_SIZE, DRAFTERS, Corrector, combine_stats, correction_worker, demo_sentences
 from .gleu import corpus_gleu, read_tokenized, tokenize
+from .overedit import over_edit_rate
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -144,6 +145,8 @@ def _eval(args: argparse.Namespace) -> int:
     for name, hyps in (("corrections", hypotheses), ("source (no edits)", src_tokens)):
         g = corpus_gleu(src_tokens, refs_per_sentence, hyps)
         print(f"  {name:18} {g.mean:.4f}  std {g.std:.4f}  95% CI ({g.ci[0]:.4f}, {g.ci[1]:.4f})")
+    over = over_edit_rate(src_tokens, refs_per_sentence, hypotheses)
+    print(f"rewritten beyond their errors (more words changed than by any reference): {over:.1%}")
     stats = combine_stats(c.stats for c in corrections)
     if corrector.batch_size > 1:  # sequences shared each forward: their times overlap, no estimate
         print(f"speed: {len(sources)} sentences in {wall:.1f} s ({len(sources) / wall:.2f} sentences/s, batch size "
@@ -210,6 +213,19 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "differ on near-ties, as batched HF generate() does)")
 
 
+EVAL_HELP = "GLEU and over-editing on a source file and its references (e.g. JFLEG dev)"
+
+
+def eval_args(e: argparse.ArgumentParser) -> None:
+    """`gec eval`, also `specsuite eval gec` (apps/eval_cli.py)."""
+    e.add_argument("--data", required=True, help="source sentences, one a line")
+    e.add_argument("--refs", nargs="+", required=True, help="reference files, line-aligned with --data")
+    e.add_argument("--n", type=int, help="only the first N sentences")
+    e.add_argument("--out", help="write the tokenized hypotheses here (input for JFLEG's gleu.py)")
+    _model_args(e)
+    e.set_defaults(func=_eval)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gec", help="grammatical error correction with the copy drafter")
     gsub = p.add_subparsers(dest="gec_command", required=True)
@@ -231,13 +247,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _model_args(c)
     c.set_defaults(func=_correct)
 
-    e = gsub.add_parser("eval", help="GLEU on a source file and its references (e.g. JFLEG dev)")
-    e.add_argument("--data", required=True, help="source sentences, one a line")
-    e.add_argument("--refs", nargs="+", required=True, help="reference files, line-aligned with --data")
-    e.add_argument("--n", type=int, help="only the first N sentences")
-    e.add_argument("--out", help="write the tokenized hypotheses here (input for JFLEG's gleu.py)")
-    _model_args(e)
-    e.set_defaults(func=_eval)
+    eval_args(gsub.add_parser("eval", help=EVAL_HELP))
 
     d = gsub.add_parser("demo", help="correct the bundled example sentences, with edits and speed")
     _model_args(d)
