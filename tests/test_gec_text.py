@@ -269,3 +269,22 @@ def test_minimal_prompt_shows_examples_and_shares_them_as_the_instruction():
     if JFLEG.is_dir():  # the examples are not evaluation sentences
         dev = {" ".join(line.split()) for line in (JFLEG / "dev.src").read_text(encoding="utf-8").splitlines()}
         assert not any(" ".join(a.split()) in dev for a, _ in EXAMPLES)
+
+
+@pytest.mark.skipif(not JFLEG.is_dir(), reason="no JFLEG data in ../shared/data")
+def test_eval_scores_the_records_of_a_correct_run(tmp_path, capsys):
+    """`gec eval --corrections`: a partial `gec correct` output is scored on its lines, no model."""
+    import json
+
+    from specsuite.cli import main
+
+    sources = (JFLEG / "dev.src").read_text(encoding="utf-8").splitlines()[:3]
+    records = tmp_path / "out.jsonl"  # written out of order, one an error record (scored as its source)
+    records.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"line": 2, "correction": sources[1]}, {"line": 1, "correction": sources[0]}, {"line": 3, "error": "x"}]))
+    refs = [str(JFLEG / f"dev.ref{i}") for i in range(4)]
+    assert main(["eval", "gec", "--data", str(JFLEG / "dev.src"), "--refs", *refs, "--corrections", str(records)]) == 0
+    out = capsys.readouterr().out
+    assert "GLEU on 3 sentences" in out and "rewritten beyond their errors" in out and "0.0%" in out
+    lines = out.splitlines()
+    assert lines[1].split()[1] == lines[2].split()[3]  # the sources as corrections score as the sources
