@@ -9,7 +9,8 @@ import sys
 
 # Each module has `register(subparsers)`, adding its subcommands with `func=` handlers that return an exit code.
 COMMAND_MODULES = ["specsuite.models_cli", "specsuite.bench", "specsuite.bench_ray", "specsuite.step_cost", "specsuite.apps.gec.cli", "specsuite.apps.rag.cli",
-                   "specsuite.apps.server_cli", "specsuite.bench_openai"]
+                   "specsuite.apps.server_cli", "specsuite.bench_openai",
+                   "specsuite.apps.eval_cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:

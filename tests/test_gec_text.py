@@ -235,3 +235,56 @@ def test_jfleg_dev_source_baseline_matches_the_published_number():
     references = [list(r) for r in zip(*(read_tokenized(JFLEG / f"dev.ref{k}") for k in range(4)))]
     result = corpus_gleu(sources, references, sources)
     assert round(100 * result.mean, 2) == 38.21
+
+
+# ---- over-editing ---------------------------------------------------------------------------
+
+def test_word_edits_is_token_levenshtein():
+    from specsuite.apps.gec.overedit import word_edits
+
+    assert word_edits("a b c".split(), "a b c".split()) == 0
+    assert word_edits("he go to school".split(), "he goes to the school".split()) == 2  # one change, one insert
+    assert word_edits([], "a b".split()) == 2 and word_edits("a b".split(), []) == 2
+
+
+def test_a_paraphrase_is_over_edited_and_a_minimal_correction_is_not():
+    from specsuite.apps.gec.overedit import over_edit_rate, over_edited
+
+    src = "I have went to London two years ago .".split()
+    refs = ["I went to London two years ago .".split(), "I have been to London .".split()]
+    assert not over_edited(src, refs, "I went to London two years ago .".split())
+    assert not over_edited(src, refs, src)
+    assert over_edited(src, refs, "I have been living in London for two years now .".split())
+    assert over_edit_rate([src, src], [refs, refs], [src, "I visited England twice , years ago .".split()]) == 0.5
+    assert over_edit_rate([], [], []) == 0.0
+
+
+def test_minimal_prompt_shows_examples_and_shares_them_as_the_instruction():
+    from specsuite.apps.gec.prompt import EXAMPLES, gec_messages
+
+    messages = gec_messages("She like it .")
+    assert messages[0]["role"] == "system" and messages[-1] == {"role": "user", "content": "She like it ."}
+    assert [m["content"] for m in messages[1:-1]] == [text for pair in EXAMPLES for text in pair]
+    assert any(a == b for a, b in EXAMPLES)  # a correct sentence comes back unchanged
+    if JFLEG.is_dir():  # the examples are not evaluation sentences
+        dev = {" ".join(line.split()) for line in (JFLEG / "dev.src").read_text(encoding="utf-8").splitlines()}
+        assert not any(" ".join(a.split()) in dev for a, _ in EXAMPLES)
+
+
+@pytest.mark.skipif(not JFLEG.is_dir(), reason="no JFLEG data in ../shared/data")
+def test_eval_scores_the_records_of_a_correct_run(tmp_path, capsys):
+    """`gec eval --corrections`: a partial `gec correct` output is scored on its lines, no model."""
+    import json
+
+    from specsuite.cli import main
+
+    sources = (JFLEG / "dev.src").read_text(encoding="utf-8").splitlines()[:3]
+    records = tmp_path / "out.jsonl"  # written out of order, one an error record (scored as its source)
+    records.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"line": 2, "correction": sources[1]}, {"line": 1, "correction": sources[0]}, {"line": 3, "error": "x"}]))
+    refs = [str(JFLEG / f"dev.ref{i}") for i in range(4)]
+    assert main(["eval", "gec", "--data", str(JFLEG / "dev.src"), "--refs", *refs, "--corrections", str(records)]) == 0
+    out = capsys.readouterr().out
+    assert "GLEU on 3 sentences" in out and "rewritten beyond their errors" in out and "0.0%" in out
+    lines = out.splitlines()
+    assert lines[1].split()[1] == lines[2].split()[3]  # the sources as corrections score as the sources

@@ -16,7 +16,8 @@ import torch
 from specsuite.apps.rag.bench_task import prefix_cache_ttft, rag_example_parts
 from specsuite.apps.rag.drafter import ReferenceDrafter
 from specsuite.apps.rag.prompt import rag_prompt_ids, rag_user_message
-from specsuite.apps.rag.qa import Answer, RagQA, copied_spans, parse_citations
+from specsuite.apps.rag.evaluate import contains_reference, evaluate_rag, references
+from specsuite.apps.rag.qa import Answer, RagQA, copied_spans, find_claims, parse_citations
 from specsuite.core.backend import use_backend
 from specsuite.core import PrefixCache, eos_token_ids, generate
 from specsuite.retrieval import PassageIndex, parse_specbench_rag
@@ -122,8 +123,46 @@ def test_parse_citations():
 def test_copied_spans_find_verbatim_runs():
     passages = ["The lunar module, called Eagle, touched down in the Sea of Tranquility.", "Bees make honey."]
     text = "It says the lunar module called Eagle touched down [1]. Bees make honey too."
-    spans = copied_spans(text, passages)
-    assert [(text[s:e], n) for s, e, n in spans] == [("the lunar module called Eagle touched down", 1)]
+    claims = copied_spans(text, passages)
+    assert [(text[c.start:c.end], c.passage, c.how) for c in claims] == [
+        ("the lunar module called Eagle touched down", 1, "copied")]
+    c = claims[0]
+    assert passages[0][c.passage_start:c.passage_end] == "The lunar module, called Eagle, touched down"
+
+
+PASSAGES = ["Apollo 11 landed on the Moon in 1969. The lunar module Eagle touched down in the Sea of Tranquility.",
+            "Neil Armstrong was the commander. Buzz Aldrin piloted the lunar module."]
+
+
+def test_claims_merge_copies_with_the_models_citations():
+    text = ("The lunar module Eagle touched down in the Sea of Tranquility. Armstrong commanded the mission [2].\n"
+            "It landed in 1969 [1][3]. Buzz Aldrin piloted the lunar module [2].")
+    claims = find_claims(text, PASSAGES)
+    got = [(text[c.start:c.end], c.passage, PASSAGES[c.passage - 1][c.passage_start:c.passage_end], c.how)
+           for c in claims]
+    assert got == [
+        # copied without any [n]: cited all the same, with the passage range it copies
+        ("The lunar module Eagle touched down in the Sea of Tranquility", 1,
+         "The lunar module Eagle touched down in the Sea of Tranquility", "copied"),
+        # [n] on a sentence that copies nothing: the passage sentence sharing the most words
+        ("Armstrong commanded the mission [2].", 2, "Neil Armstrong was the commander.", "cited"),
+        ("It landed in 1969 [1][3].", 1, "Apollo 11 landed on the Moon in 1969.", "cited"),  # [3]: no such passage
+        # copied and cited as [2]: one claim, the copied one
+        ("Buzz Aldrin piloted the lunar module", 2, "Buzz Aldrin piloted the lunar module", "copied"),
+    ]
+    answer = Answer(text, [(p, None) for p in PASSAGES], claims, {})
+    assert answer.citations == [1, 2] and len(answer.spans) == 2
+    assert json.loads(json.dumps(answer.to_json()))["claims"][1] == {
+        "start": claims[1].start, "end": claims[1].end, "passage": 2, "passage_start": 0, "passage_end": 33,
+        "how": "cited"}
+
+
+def test_reference_contained_ignores_case_punctuation_and_spacing():
+    item = {"reference": [["914 mbar ( hPa )", "W. Edwards Deming"]]}
+    assert references(item) == ["914 mbar ( hPa )", "W. Edwards Deming"]
+    assert contains_reference("The pressure was 914 mbar (hPa) [2].", references(item))
+    assert contains_reference("It was w edwards deming.", references(item))
+    assert not contains_reference("It was 9140 mbar hPa, said Edwards.", references(item))
 
 
 # ---- with the model -----------------------------------------------------------------------
@@ -197,9 +236,12 @@ def test_rag_qa_over_a_demo_index(smollm2, demo_index):
     assert len(answer.passages) == 3 and answer.passages[0][0].doc_id.endswith("apollo-11.md")
     assert all(isinstance(score, float) for _, score in answer.passages)
     assert answer.stats["new_tokens"] > 0 and "retrieval_s" in answer.stats
-    for start, end, n in answer.spans:
-        assert 0 <= start < end <= len(answer.text) and 1 <= n <= 3
-    assert all(1 <= n <= 3 for n in answer.citations)
+    for c in answer.claims:  # every claim slices the answer and its passage
+        body = answer.passages[c.passage - 1][0].text
+        assert 0 <= c.start < c.end <= len(answer.text) and 0 <= c.passage_start < c.passage_end <= len(body)
+        if c.how == "copied":
+            assert answer.text[c.start:c.end].lower().split() == body[c.passage_start:c.passage_end].lower().split()
+    assert answer.citations == list(dict.fromkeys(c.passage for c in answer.claims))
     pieces = list(qa.stream_ask("Who was the commander of Apollo 11?", k=3))
     assert isinstance(pieces[-1], Answer) and pieces[-1].text == answer.text
     assert "".join(p.text for p in pieces[:-1]).strip() == answer.text
@@ -309,3 +351,19 @@ def test_cli_answer_a_file_of_questions_resumably(smollm2, demo_index, tmp_path,
     assert "4 questions: 2 answered, 2 errors" in capsys.readouterr().out
     assert main(args) == 1 and "(4 from an earlier run)" in capsys.readouterr().out  # nothing left to do
     assert main([*args[:4], str(tmp_path / "out.txt"), *args[5:]]) == 1  # only .jsonl output
+
+
+@pytest.mark.real_model
+def test_eval_rag_scores_answers_and_their_citations(smollm2, items, tmp_path, capsys):
+    from specsuite.cli import main
+
+    result = evaluate_rag(RagQA.from_loaded(*smollm2, max_new_tokens=24), items[:2])
+    assert result.items == 2 and len(result.rows) == 2 and result.copying_cited == result.copying
+    assert result.correct == sum(row["correct"] for row in result.rows)
+    assert main(["eval", "rag", "--data", str(RAG_DEV), "--n", "1", "--model", "smollm2-135m",
+                 "--max-new-tokens", "16", "--out", str(tmp_path / "rows.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "1 Spec-Bench RAG items" in out and "reference contained in the answer: " in out
+    row = json.loads((tmp_path / "rows.jsonl").read_text())
+    assert row["references"] == references(items[0]) and isinstance(row["claims"], list)
+    assert main(["eval", "rag", "--data", str(tmp_path / "missing.jsonl")]) == 2

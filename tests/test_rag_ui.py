@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -11,11 +12,15 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import pytest
 from conftest import free_port
 
-from specsuite.apps.rag.qa import RagQA
-from specsuite.apps.rag.ui import answer_html, build_app, passages_html
+from specsuite.apps.rag.qa import RagQA, find_claims
+from specsuite.apps.rag.ui import answer_html, build_app, passages_html, stats_html
 
 DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
 QUESTION = "Who was the commander of Apollo 11?"
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +36,29 @@ def app_url(smollm2):
     app.close()
 
 
-def test_answer_html_links_copied_spans_and_citations():
+def test_answer_html_links_copied_spans_to_the_highlighted_passage_text():
+    passages = ["Apollo 11 landed in 1969.", "It landed <here> in the Sea of Tranquility {x} after a long trip."]
     text = "It landed <here> in the Sea of Tranquility [2] {x}."
-    start = text.index("in the Sea")
-    html = answer_html(text, [(start, start + len("in the Sea of Tranquility"), 2)], 2)
-    assert '<a class="copied" href="#passage-2"' in html and ">in the Sea of Tranquility</a>" in html
+    claims = find_claims(text, passages)
+    assert [c.how for c in claims] == ["copied"]
+    html = answer_html(text, claims, 2)
+    anchor = f"cite-2-{passages[1].index('It landed')}"
+    assert f'<a class="copied" href="#{anchor}"' in html and ">It landed &lt;here&gt; in the Sea of Tranquility</a>" in html
     assert '<a class="cite" href="#passage-2">[2]</a>' in html
-    assert "&lt;here&gt;" in html and "{" not in html  # escaped, braces included (Handlebars)
-    assert 'id="passage-1"' in passages_html([("a passage", 0.5)]) and "score 0.500" in passages_html([("p", 0.5)])
+    assert "{" not in html  # escaped, braces included (Handlebars)
+    shown = passages_html([(p, 0.5) for p in passages], claims)
+    assert f'<mark id="{anchor}" class="cited-span">It landed &lt;here&gt; in the Sea of Tranquility</mark>' in shown
+    assert 'id="passage-1" class="passage"' in shown and 'class="passage cited"' in shown
+    assert "score 0.500" in shown and "<mark" not in shown.split('id="passage-2"')[0]
+
+
+def test_stats_are_a_table():
+    stats = {"model": "m", "drafter": "reference", "new_tokens": 12, "total_s": 1.5, "tokens_per_s": 8.0,
+             "ttft_s": 0.25, "retrieval_s": 0.01, "tokens_per_step": 2.4, "acceptance_rate": 0.5,
+             "prompt_tokens": 300, "cached_prompt_tokens": 200, "finish_reason": "eos"}
+    html = stats_html(stats)
+    assert html.startswith('<table class="stats">') and "<th>tokens</th><td>12 in 1.50 s (8.0 tokens/s)</td>" in html
+    assert "300 tokens, 200 from the prefix cache" in html
 
 
 def test_api_ask_endpoint(app_url):
@@ -61,8 +81,14 @@ def test_ask_in_the_browser(app_url, browser_page):
     page.locator("#ask").click()
     expect(page.locator("#passages #passage-1")).to_be_visible(timeout=60_000)
     expect(page.locator("#passages #passage-3")).to_contain_text("score")
-    expect(page.locator("#stats")).to_contain_text("new_tokens", timeout=60_000)
+    expect(page.locator("#stats table.stats")).to_contain_text("tokens/forward pass", timeout=60_000)
     answer = page.locator("#answer .answer-text")
     expect(answer).not_to_be_empty()
-    for link in page.locator("#answer a.copied").all():  # each highlight points at a shown passage
-        expect(page.locator(link.get_attribute("href"))).to_have_count(1)
+    links = page.locator("#answer a.copied").all()
+    assert links, "the answer copies from a passage (the question is answered verbatim in the demo corpus)"
+    for link in links:  # each highlight links to the passage text it copies, highlighted there
+        target = page.locator(f"#passages mark{link.get_attribute('href')}")
+        expect(target).to_have_count(1)
+        assert " ".join(words(link.inner_text())) in " ".join(words(target.inner_text()))
+    links[0].click()
+    expect(page.locator("#passages mark.cited-span:target")).to_have_count(1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import re
 import sys
 import time
@@ -17,6 +18,7 @@ from specsuite.models import DEFAULT_MODEL
 from specsuite.apps.jobs import ResumeError, run_batch
 from .corrector import DEFAULT_BATCH_SIZE, DRAFTERS, Corrector, combine_stats, correction_worker, demo_sentences
 from .gleu import corpus_gleu, read_tokenized, tokenize
+from .overedit import over_edit_rate
 
 SERVE_BATCH_SIZE = 8  # `gec ui`: concurrent users' corrections decoded together in one running batch
 
@@ -117,27 +119,40 @@ def jfleg_tokens(text: str) -> list[str]:
     return tokens
 
 
+def _read_corrections(path: str) -> list[str | None]:
+    """The corrections of a `gec correct` .jsonl output in line order (None: an error record)."""
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r.get("correction") for r in sorted(records, key=lambda r: r["line"])]
+
+
 def _eval(args: argparse.Namespace) -> int:
-    if message := _missing(args.data, *args.refs):
+    if message := _missing(args.data, *args.refs, *([args.corrections] if args.corrections else [])):
         return _fail(message)
     with open(args.data, encoding="utf-8", newline="\n") as f:  # lines as read_tokenized reads them
         sources = [line.rstrip("\n") for line in f][: args.n]
+    texts, corrections, wall = None, [], 0.0
+    if args.corrections:  # the (possibly partial) output of `gec correct` on the same lines: no model
+        texts = _read_corrections(args.corrections)[: len(sources)]
+        sources = sources[: len(texts)]
     references = [read_tokenized(path)[: len(sources)] for path in args.refs]
     for path, refs in zip(args.refs, references):
         if len(refs) != len(sources):
             return _fail(f"{path} has {len(refs)} lines, {args.data} {len(sources)}")
-    try:
-        corrector = _corrector(args)
-    except (ValueError, RuntimeError) as e:
-        return _fail(str(e))
-    start = time.perf_counter()
-    results = list(tqdm(corrector.correct_each(sources), total=len(sources), unit="sent", dynamic_ncols=True))
-    wall = time.perf_counter() - start
-    corrections = [c for c in results if not isinstance(c, Exception)]
-    for number, c in enumerate(results, 1):
-        if isinstance(c, Exception):  # e.g. a blank line: scored as the source, left unchanged
-            print(f"line {number}: not corrected: {c}", file=sys.stderr)
-    hypotheses = [jfleg_tokens(s if isinstance(c, Exception) else c.text) for s, c in zip(sources, results)]
+    if texts is None:
+        try:
+            corrector = _corrector(args)
+        except (ValueError, RuntimeError) as e:
+            return _fail(str(e))
+        start = time.perf_counter()
+        results = list(tqdm(corrector.correct_each(sources), total=len(sources), unit="sent", dynamic_ncols=True))
+        wall = time.perf_counter() - start
+        corrections = [c for c in results if not isinstance(c, Exception)]
+        for number, c in enumerate(results, 1):
+            if isinstance(c, Exception):  # e.g. a blank line: scored as the source, left unchanged
+                print(f"line {number}: not corrected: {c}", file=sys.stderr)
+        texts = [None if isinstance(c, Exception) else c.text for c in results]
+    hypotheses = [jfleg_tokens(s if t is None else t) for s, t in zip(sources, texts)]
     if args.out:
         Path(args.out).write_text("".join(" ".join(h) + "\n" for h in hypotheses), encoding="utf-8")
     src_tokens = [tokenize(s) for s in sources]
@@ -146,6 +161,10 @@ def _eval(args: argparse.Namespace) -> int:
     for name, hyps in (("corrections", hypotheses), ("source (no edits)", src_tokens)):
         g = corpus_gleu(src_tokens, refs_per_sentence, hyps)
         print(f"  {name:18} {g.mean:.4f}  std {g.std:.4f}  95% CI ({g.ci[0]:.4f}, {g.ci[1]:.4f})")
+    over = over_edit_rate(src_tokens, refs_per_sentence, hypotheses)
+    print(f"rewritten beyond their errors (more words changed than by any reference): {over:.1%}")
+    if not corrections:
+        return 0
     stats = combine_stats(c.stats for c in corrections)
     if corrector.batch_size > 1:  # sequences shared each forward: their times overlap, no estimate
         print(f"speed: {len(sources)} sentences in {wall:.1f} s ({len(sources) / wall:.2f} sentences/s, batch size "
@@ -224,6 +243,21 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "differ on near-ties, as batched HF generate() does)")
 
 
+EVAL_HELP = "GLEU and over-editing on a source file and its references (e.g. JFLEG dev)"
+
+
+def eval_args(e: argparse.ArgumentParser) -> None:
+    """`gec eval`, also `specsuite eval gec` (apps/eval_cli.py)."""
+    e.add_argument("--data", required=True, help="source sentences, one a line")
+    e.add_argument("--refs", nargs="+", required=True, help="reference files, line-aligned with --data")
+    e.add_argument("--n", type=int, help="only the first N sentences")
+    e.add_argument("--out", help="write the tokenized hypotheses here (input for JFLEG's gleu.py)")
+    e.add_argument("--corrections", metavar="JSONL", help="score the records of a `gec correct` run on --data "
+                   "instead of running the model (as many lines as it has done)")
+    _model_args(e)
+    e.set_defaults(func=_eval)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gec", help="grammatical error correction with the copy drafter")
     gsub = p.add_subparsers(dest="gec_command", required=True)
@@ -245,13 +279,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _model_args(c)
     c.set_defaults(func=_correct)
 
-    e = gsub.add_parser("eval", help="GLEU on a source file and its references (e.g. JFLEG dev)")
-    e.add_argument("--data", required=True, help="source sentences, one a line")
-    e.add_argument("--refs", nargs="+", required=True, help="reference files, line-aligned with --data")
-    e.add_argument("--n", type=int, help="only the first N sentences")
-    e.add_argument("--out", help="write the tokenized hypotheses here (input for JFLEG's gleu.py)")
-    _model_args(e)
-    e.set_defaults(func=_eval)
+    eval_args(gsub.add_parser("eval", help=EVAL_HELP))
 
     d = gsub.add_parser("demo", help="correct the bundled example sentences, with edits and speed")
     _model_args(d)

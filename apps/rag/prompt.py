@@ -9,10 +9,13 @@ from typing import Sequence
 
 from specsuite.core.chat import chat_prompt_ids
 
+# Short answers that quote: the app attributes every copied run of words to its passage
+# (`Answer.claims`), so quoting is what makes an answer checkable, with or without the model's [n].
 SYSTEM = (
-    "You answer questions from the numbered passages the user gives you. Use only what the passages "
-    "say, quote their wording where you can, and cite the passages you use as [1], [2] and so on. "
-    "If the passages do not contain the answer, say so."
+    "You answer questions from the numbered passages the user gives you. Answer in one or two short "
+    "sentences that quote the exact words of the passage that answers the question, and end each sentence "
+    "with the number of its passage in brackets, like [2]. Use only what the passages say; if they do not "
+    "contain the answer, say so."
 )
 
 

@@ -5,7 +5,7 @@
     answer = qa.answer(question, ["passage one", "passage two"])  # caller-given passages
 
 Passages are numbered from 1 everywhere, as the prompt shows them to the model: `[n]` citations,
-`Answer.citations`, the passage number of `Answer.spans`, and `Answer.passages[n - 1]`.
+`Answer.citations`, the passage number of `Answer.claims`, and `Answer.passages[n - 1]`.
 Decoding is greedy and lossless: the drafter and the prefix cache change the speed, not the text.
 """
 
@@ -45,6 +45,7 @@ Scored = tuple[PassageLike, Union[float, None]]  # a passage and its retrieval s
 
 _CITATION = re.compile(r"\[(\d+(?:\s*[,;]\s*\d+)*)\]")
 _WORD = re.compile(r"\w+")
+_SENTENCE = re.compile(r"[^.!?\n]*(?:[.!?]+(?:\s*\[[\d,; ]+\])?|(?=\n)|$)")  # a sentence, with the [n] that follows its end
 
 
 def passage_body(p: PassageLike) -> str:
@@ -68,49 +69,115 @@ def parse_citations(text: str, count: int) -> list[int]:
     return cited
 
 
-def copied_spans(text: str, passages: Sequence[str], min_words: int = 4) -> list[tuple[int, int, int]]:
-    """(start, end, passage number) of the parts of `text` that appear verbatim in a passage:
-    greedy, leftmost-longest runs of at least `min_words` words (compared case-insensitively,
-    ignoring punctuation and spacing between words)."""
+@dataclass(frozen=True)
+class Claim:
+    """A part of the answer and the passage text it rests on: `answer.text[start:end]` comes from
+    passage `passage`, `passage_body(answer.passages[passage - 1][0])[passage_start:passage_end]`.
+
+    how: "copied": the answer quotes the passage range verbatim (at least `min_words` words), found
+    whether or not the model wrote [n]; "cited": the model wrote [n] in a sentence that copies
+    nothing from passage n, and the range is the passage sentence sharing the most words with it.
+    """
+
+    start: int
+    end: int
+    passage: int
+    passage_start: int
+    passage_end: int
+    how: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.end, "passage": self.passage,
+                "passage_start": self.passage_start, "passage_end": self.passage_end, "how": self.how}
+
+
+def copied_spans(text: str, passages: Sequence[str], min_words: int = 4) -> list[Claim]:
+    """The parts of `text` that appear verbatim in a passage, as "copied" claims: greedy,
+    leftmost-longest runs of at least `min_words` words (compared case-insensitively, ignoring
+    punctuation and spacing between words), with their character range in the passage."""
     words = list(_WORD.finditer(text))
     keys = [w.group().lower() for w in words]
-    sources = [[w.lower() for w in _WORD.findall(p)] for p in passages]
+    found = [list(_WORD.finditer(p)) for p in passages]
+    sources = [[w.group().lower() for w in f] for f in found]
     starts: dict[tuple[str, ...], list[tuple[int, int]]] = {}  # first words -> (passage, word index)
     for number, seq in enumerate(sources, 1):
         for j in range(len(seq) - min_words + 1):
             starts.setdefault(tuple(seq[j: j + min_words]), []).append((number, j))
-    spans, i = [], 0
+    claims, i = [], 0
     while i + min_words <= len(keys):
-        best, best_number = 0, 0
+        best, best_number, best_j = 0, 0, 0
         for number, j in starts.get(tuple(keys[i: i + min_words]), ()):
             seq, n = sources[number - 1], min_words
             while i + n < len(keys) and j + n < len(seq) and keys[i + n] == seq[j + n]:
                 n += 1
             if n > best:
-                best, best_number = n, number
+                best, best_number, best_j = n, number, j
         if best:
-            spans.append((words[i].start(), words[i + best - 1].end(), best_number))
+            source = found[best_number - 1]
+            claims.append(Claim(words[i].start(), words[i + best - 1].end(), best_number, source[best_j].start(),
+                                source[best_j + best - 1].end(), "copied"))
             i += best
         else:
             i += 1
-    return spans
+    return claims
+
+
+def _sentences(text: str) -> list[tuple[int, int]]:
+    return [m.span() for m in _SENTENCE.finditer(text) if m.group().strip()]
+
+
+def _best_sentence(sentence: str, passage: str) -> tuple[int, int]:
+    """The range of the sentence of `passage` sharing the most words with `sentence` (the whole
+    passage where none shares a word)."""
+    want = {w.lower() for w in _WORD.findall(sentence)}
+    best, best_span = 0, (0, len(passage))
+    for start, end in _sentences(passage):
+        shared = len(want & {w.lower() for w in _WORD.findall(passage[start:end])})
+        if shared > best:
+            best, best_span = shared, (start, end)
+    return best_span
+
+
+def find_claims(text: str, passages: Sequence[str], min_words: int = 4) -> list[Claim]:
+    """Claim-level citations of an answer: its copied spans (`copied_spans`), merged with the
+    model's own [n] citations ("cited" claims: the answer sentence holding [n], where it copies
+    nothing from passage n), in order of their place in the answer."""
+    claims = copied_spans(text, passages, min_words)
+    for start, end in _sentences(text):
+        sentence = text[start:end]
+        for n in parse_citations(sentence, len(passages)):
+            if any(c.passage == n and start <= c.start < end for c in claims):
+                continue
+            lead = len(sentence) - len(sentence.lstrip())
+            claims.append(Claim(start + lead, start + len(sentence.rstrip()), n,
+                                *_best_sentence(_CITATION.sub("", sentence), passages[n - 1]), "cited"))
+    return sorted(claims, key=lambda c: (c.start, c.passage))
 
 
 @dataclass
 class Answer:
     text: str
     passages: list[Scored]
-    citations: list[int]  # passage numbers cited as [n], in order of first citation
+    claims: list[Claim]  # the parts of the answer and the passage ranges they rest on (copied or [n])
     stats: dict[str, Any]
-    spans: list[tuple[int, int, int]]  # (start, end, passage number): text[start:end] is copied from it
     question: str = ""
+
+    @property
+    def citations(self) -> list[int]:
+        """The passages the answer rests on, copied from or cited as [n], in order of first use."""
+        return list(dict.fromkeys(c.passage for c in self.claims))
+
+    @property
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(start, end, passage number) of the copied parts: text[start:end] is copied from it."""
+        return [(c.start, c.end, c.passage) for c in self.claims if c.how == "copied"]
 
     def to_json(self) -> dict[str, Any]:
         return {
             "question": self.question, "answer": self.text, "citations": self.citations,
+            "claims": [c.to_json() for c in self.claims],
             "passages": [{"number": n, "score": score, **passage_json(p)}
                          for n, (p, score) in enumerate(self.passages, 1)],
-            "spans": [{"start": s, "end": e, "passage": n} for s, e, n in self.spans],
             "stats": self.stats,
         }
 
@@ -257,7 +324,7 @@ class RagQA:
         stats = {**extra, "model": getattr(self.model, "name_or_preset", None), "drafter": self.drafter, "finish_reason": generation.finish_reason,
                  "ttft_s": round(s.prefill_s, 4),
                  "tokens_per_s": round(s.new_tokens / s.total_s, 2) if s.total_s else 0.0, **s.as_dict()}
-        return Answer(text, scored, parse_citations(text, len(scored)), stats, copied_spans(text, bodies), question)
+        return Answer(text, scored, find_claims(text, bodies), stats, question)
 
     def _request(self, question: str, scored: list[Scored]) -> tuple[list[int], Drafter]:
         bodies = [passage_body(p) for p, _ in scored]

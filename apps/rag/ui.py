@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import html
 import re
-import time
 from typing import Any, Iterator, Sequence
 
 import gradio as gr
@@ -24,7 +23,7 @@ import gradio as gr
 from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, InputError, TimeBudgetExceeded, check_limit
 from specsuite.core import TextPiece
 
-from .qa import RagQA, Scored, copied_spans, passage_body
+from .qa import Claim, RagQA, Scored, passage_body
 
 # Scoped to each HTML component by Gradio (css_template).
 CSS = """
@@ -34,6 +33,9 @@ a.cite { font-weight: 600; text-decoration: none; }
 .passage { margin: 0 0 0.8em; padding: 0.5em 0.7em; border-left: 3px solid #ccc; }
 .passage.cited { border-left-color: #f0b400; }
 .passage .meta { font-size: 0.85em; opacity: 0.75; margin-bottom: 0.3em; }
+mark.cited-span { background: #fff3b0; border-radius: 3px; }
+mark.cited-span:target { background: #ffe066; outline: 2px solid #f0b400; }
+table.stats th { text-align: left; padding-right: 1em; font-weight: 600; }
 .hint { opacity: 0.6; }
 """
 _CITATION = re.compile(r"\[(\d+)\]")
@@ -53,19 +55,49 @@ def _plain(text: str, count: int) -> str:
     return _CITATION.sub(link, _escape(text))
 
 
-def answer_html(text: str, spans: Sequence[tuple[int, int, int]], count: int) -> str:
-    """The answer with each copied span as a highlighted link to its passage."""
+def _ranges(claims: Sequence[Claim], n: int) -> list[tuple[int, int]]:
+    """The passage ranges of passage n that claims rest on, overlapping ones merged."""
+    merged: list[list[int]] = []
+    for a, b in sorted((c.passage_start, c.passage_end) for c in claims if c.passage == n):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _anchor(claims: Sequence[Claim], claim: Claim) -> str:
+    """The id of the highlighted passage range holding `claim`'s source."""
+    start = next(a for a, b in _ranges(claims, claim.passage) if a <= claim.passage_start < b)
+    return f"cite-{claim.passage}-{start}"
+
+
+def answer_html(text: str, claims: Sequence[Claim], count: int) -> str:
+    """The answer with each copied part as a highlighted link to the passage text it copies."""
     out, pos = [], 0
-    for start, end, n in spans:
-        out.append(_plain(text[pos:start], count))
-        out.append(f'<a class="copied" href="#passage-{n}" data-passage="{n}" title="copied from passage [{n}]">'
-                   f"{_escape(text[start:end])}</a>")
-        pos = end
+    for c in claims:
+        if c.how != "copied":
+            continue
+        out.append(_plain(text[pos:c.start], count))
+        out.append(f'<a class="copied" href="#{_anchor(claims, c)}" data-passage="{c.passage}" '
+                   f'title="copied from passage [{c.passage}]">{_escape(text[c.start:c.end])}</a>')
+        pos = c.end
     out.append(_plain(text[pos:], count))
     return '<div class="answer-text">' + "".join(out).replace("\n", "<br>") + "</div>"
 
 
-def passages_html(scored: Sequence[Scored], cited: Sequence[int] = ()) -> str:
+def _marked(body: str, claims: Sequence[Claim], n: int) -> str:
+    """A passage's text with the ranges the answer rests on highlighted, each an anchor."""
+    out, pos = [], 0
+    for a, b in _ranges(claims, n):
+        out.append(_escape(body[pos:a]))
+        out.append(f'<mark id="cite-{n}-{a}" class="cited-span">{_escape(body[a:b])}</mark>')
+        pos = b
+    return "".join(out) + _escape(body[pos:])
+
+
+def passages_html(scored: Sequence[Scored], claims: Sequence[Claim] = ()) -> str:
+    cited = {c.passage for c in claims}
     items = []
     for n, (p, score) in enumerate(scored, 1):
         title = p if isinstance(p, str) else (p.title or p.doc_id)
@@ -74,8 +106,23 @@ def passages_html(scored: Sequence[Scored], cited: Sequence[int] = ()) -> str:
             meta.append(f"score {score:.3f}")
         items.append(f'<div id="passage-{n}" class="passage{" cited" if n in cited else ""}">'
                      f'<div class="meta">{" · ".join(meta)}</div>'
-                     f'<div class="text">{_escape(passage_body(p))}</div></div>')
+                     f'<div class="text">{_marked(passage_body(p), claims, n)}</div></div>')
     return "".join(items) or '<p class="hint">No passages.</p>'
+
+
+def stats_html(stats: dict[str, Any]) -> str:
+    """The call's stats as a table, like the GEC app's."""
+    s = stats
+    rows = [
+        ("model", f"{s.get('model') or 'n/a'} ({s['drafter']} drafter)"),
+        ("tokens", f"{s['new_tokens']} in {s['total_s']:.2f} s ({s['tokens_per_s']} tokens/s)"),
+        ("time to first token", f"{s['ttft_s']:.2f} s, retrieval {s.get('retrieval_s', 0):.3f} s"),
+        ("tokens/forward pass", f"{s['tokens_per_step']:.2f} ({s['acceptance_rate']:.0%} of drafted tokens accepted)"),
+        ("prompt", f"{s['prompt_tokens']} tokens, {s['cached_prompt_tokens']} from the prefix cache"),
+        ("finish", str(s["finish_reason"])),
+    ]
+    cells = "".join(f"<tr><th>{_escape(k)}</th><td>{_escape(v)}</td></tr>" for k, v in rows)
+    return f'<table class="stats">{cells}</table>'
 
 
 def build_app(qa: RagQA, k: int = 5, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S) -> gr.Blocks:
@@ -85,22 +132,15 @@ def build_app(qa: RagQA, k: int = 5, time_budget_s: float | None = DEFAULT_TIME_
 
     def run(question: str, k: float) -> Iterator[tuple[Any, Any, Any]]:
         try:
-            start = time.perf_counter()
-            question, k = qa.validate(question, k)
-            scored = list(qa.retrieve(question, k))
-            retrieval_s = round(time.perf_counter() - start, 4)
-            bodies = [passage_body(p) for p, _ in scored]
-            yield '<p class="hint">Answering…</p>', passages_html(scored), {}
-            # What is left of the request's budget after the retrieval.
-            left = None if time_budget_s is None else max(1e-3, time_budget_s - (time.perf_counter() - start))
             text = ""
-            for item in qa.stream_answer(question, scored, time_budget_s=left):
+            for item in qa.stream_ask(question, k, time_budget_s=time_budget_s):
                 if isinstance(item, TextPiece):
                     text += item.text
-                    yield answer_html(text, copied_spans(text, bodies), len(scored)), gr.skip(), gr.skip()
+                    yield answer_html(text, (), 0), gr.skip(), gr.skip()
                 else:
-                    yield (answer_html(item.text, item.spans, len(scored)), passages_html(scored, item.citations),
-                           {"retrieval_s": retrieval_s, **item.stats})
+                    count = len(item.passages)
+                    yield (answer_html(item.text, item.claims, count), passages_html(item.passages, item.claims),
+                           stats_html(item.stats))
         except (InputError, TimeBudgetExceeded) as e:
             raise gr.Error(str(e), print_exception=False) from None
 
@@ -113,7 +153,7 @@ def build_app(qa: RagQA, k: int = 5, time_budget_s: float | None = DEFAULT_TIME_
 
     with gr.Blocks(title="specsuite · RAG") as app:
         gr.Markdown("## Ask your documents\nAnswers are drafted from the retrieved passages; "
-                    "highlighted parts are copied from a passage (click to jump to it).")
+                    "highlighted parts are copied from a passage (click to jump to the passage text they copy).")
         with gr.Row():
             question = gr.Textbox(label="Question", elem_id="question", scale=5, lines=1,
                                   placeholder="e.g. Who commanded Apollo 11?")
@@ -125,7 +165,8 @@ def build_app(qa: RagQA, k: int = 5, time_budget_s: float | None = DEFAULT_TIME_
                 gr.Markdown("### Passages")
                 passages = gr.HTML(elem_id="passages", css_template=CSS)
             with gr.Column(scale=2):
-                stats = gr.JSON(label="Stats", elem_id="stats")
+                gr.Markdown("### Stats")
+                stats = gr.HTML(elem_id="stats", css_template=CSS)
         # No concurrency limit: a request is checked (and a bad one refused) at once, not behind a
         # running one; generations take turns on the model in RagQA, each within its time budget.
         for event in (button.click, question.submit):
