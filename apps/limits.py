@@ -155,10 +155,15 @@ class Deadline:
         """The error of a request that ran past its time budget."""
         return TimeBudgetExceeded(f"the request ran past its time budget of {self.budget_s:g} s and was stopped")
 
-    def queued(self) -> TimeBudgetExceeded:
-        """The error of a request whose time budget ended while it waited for the model."""
-        return TimeBudgetExceeded(f"the model was busy with other requests for the whole time budget of "
-                                  f"{self.budget_s:g} s; try again later")
+    def queued(self, need_s: float | None = None) -> TimeBudgetExceeded:
+        """The error of a request whose time budget ended while it waited for the model, or whose
+        time left is less than the `need_s` seconds it would take at least."""
+        if need_s is None:
+            return TimeBudgetExceeded(f"the model was busy with other requests for the whole time budget of "
+                                      f"{self.budget_s:g} s; try again later")
+        return TimeBudgetExceeded(f"the model was busy with other requests: the {self.remaining():.1f} s left of the "
+                                  f"time budget of {self.budget_s:g} s are less than this request needs (at least "
+                                  f"{need_s:.1f} s on this machine); try again later")
 
     def acquire(self, lock: threading.Lock) -> None:
         """Take `lock` (the model, busy with another request), waiting at most the time left."""
