@@ -3,7 +3,7 @@ time budget, waiting for a slot included.
 
 A caller `run`s a request with its `Deadline`: the request is queued, joins the batch at the next
 step with a free slot, and the caller waits at most the time left (`wait`). A request still queued
-when its budget ends, or when what is left of it is less than the request's estimated cost
+when its budget ends, or when what is left of it is less than reading its prompt costs
 (`limits.estimate_s`: it could only time out, after taking a slot and others' time), leaves the
 queue with the time-budget error and never takes a slot; a running one stops at its next step (its
 `on_step` checks the deadline). Each step admits prompts of at most
@@ -83,7 +83,7 @@ class BatchServer:
             if deadline.expired():
                 future.set_exception(deadline.queued())
                 continue
-            need = estimate_s(self.engine.model, len(request.prompt), request.max_new_tokens)
+            need = estimate_s(self.engine.model, len(request.prompt))
             if need is not None and deadline.remaining() is not None and need > deadline.remaining():
                 future.set_exception(deadline.queued(need))  # it could only time out, after taking others' time
                 continue
