@@ -109,28 +109,30 @@ def step_cost(model) -> Callable[[int], float] | None:
     return BatchEngine(model, 1).budget.cost  # the measurement (or its cached copy); no KV is made
 
 
-def estimate_s(model, prompt_tokens: int, answer_tokens: int) -> float | None:
-    """A lower bound on what a request costs on this machine, alone on the model: its prompt's rows
-    in one forward, then one one-row step per answer token (drafts only make that faster when
-    accepted; other callers in the batch make each step dearer). None: no measurement."""
+def estimate_s(model, prompt_tokens: int, answer_tokens: int = 1) -> float | None:
+    """What a request costs on this machine alone on the model, at one token per step: its
+    prompt's rows in one forward, then one one-row step per further answer token. None: no
+    measurement. With the default of one answer token it is a lower bound (an answer may end at
+    once), which `admit` uses: its answer budget is what it may take, not what it will."""
     cost = step_cost(model)
     if cost is None:
         return None
-    return (cost(prompt_tokens) if prompt_tokens else 0.0) + max(0, answer_tokens - 1) * cost(1)
+    return cost(max(1, prompt_tokens)) + max(0, answer_tokens - 1) * cost(1)
 
 
-def admit(model, prompt_tokens: int, answer_tokens: int, deadline: "Deadline") -> None:
-    """Refuse (OverBudgetError, naming the estimate and the budget) a request that cannot finish
-    within what is left of its time budget even alone on the model; called before it is queued."""
+def admit(model, prompt_tokens: int, deadline: "Deadline") -> None:
+    """Refuse (OverBudgetError, naming the estimate and the budget) a request whose prompt alone
+    cannot be read within what is left of its time budget on this machine (`estimate_s`); called
+    before it is queued, before any model work."""
     left = deadline.remaining()
     if left is None:
         return
-    estimate = estimate_s(model, prompt_tokens, answer_tokens)
+    estimate = estimate_s(model, prompt_tokens)
     if estimate is not None and estimate > left:
         raise OverBudgetError(
-            f"this request would take at least {estimate:.1f} s on this machine ({prompt_tokens:,} prompt tokens, "
-            f"up to {answer_tokens:,} answer tokens), more than the {left:.1f} s left of its time budget of "
-            f"{deadline.budget_s:g} s: send a shorter input")
+            f"this request would take at least {estimate:.1f} s on this machine (its prompt of {prompt_tokens:,} "
+            f"tokens alone), more than the {left:.1f} s left of its time budget of {deadline.budget_s:g} s: "
+            "send a shorter input")
 
 
 class Deadline:
@@ -155,10 +157,15 @@ class Deadline:
         """The error of a request that ran past its time budget."""
         return TimeBudgetExceeded(f"the request ran past its time budget of {self.budget_s:g} s and was stopped")
 
-    def queued(self) -> TimeBudgetExceeded:
-        """The error of a request whose time budget ended while it waited for the model."""
-        return TimeBudgetExceeded(f"the model was busy with other requests for the whole time budget of "
-                                  f"{self.budget_s:g} s; try again later")
+    def queued(self, need_s: float | None = None) -> TimeBudgetExceeded:
+        """The error of a request whose time budget ended while it waited for the model, or whose
+        time left is less than the `need_s` seconds it would take at least."""
+        if need_s is None:
+            return TimeBudgetExceeded(f"the model was busy with other requests for the whole time budget of "
+                                      f"{self.budget_s:g} s; try again later")
+        return TimeBudgetExceeded(f"the model was busy with other requests: the {self.remaining():.1f} s left of the "
+                                  f"time budget of {self.budget_s:g} s are less than this request needs (at least "
+                                  f"{need_s:.1f} s on this machine); try again later")
 
     def acquire(self, lock: threading.Lock) -> None:
         """Take `lock` (the model, busy with another request), waiting at most the time left."""

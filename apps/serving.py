@@ -3,8 +3,10 @@ time budget, waiting for a slot included.
 
 A caller `run`s a request with its `Deadline`: the request is queued, joins the batch at the next
 step with a free slot, and the caller waits at most the time left (`wait`). A request still queued
-when its budget ends leaves the queue with the time-budget error and never takes a slot; a running
-one stops at its next step (its `on_step` checks the deadline). Each step admits prompts of at most
+when its budget ends, or when what is left of it is less than reading its prompt costs
+(`limits.estimate_s`: it could only time out, after taking a slot and others' time), leaves the
+queue with the time-budget error and never takes a slot; a running one stops at its next step (its
+`on_step` checks the deadline). Each step admits prompts of at most
 `max_prompt_tokens` tokens in all (at least one request), so that a burst of long prefills does not
 stall every other caller's decode step.
 """
@@ -16,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 
-from specsuite.apps.limits import Deadline, TimeBudgetExceeded
+from specsuite.apps.limits import Deadline, TimeBudgetExceeded, estimate_s
 from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.sequence import Generation
 
@@ -80,6 +82,10 @@ class BatchServer:
                 continue  # its caller gave up while it was queued
             if deadline.expired():
                 future.set_exception(deadline.queued())
+                continue
+            need = estimate_s(self.engine.model, len(request.prompt))
+            if need is not None and deadline.remaining() is not None and need > deadline.remaining():
+                future.set_exception(deadline.queued(need))  # it could only time out, after taking others' time
                 continue
             self._futures.append(future)
             admitted += len(request.prompt)

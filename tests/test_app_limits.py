@@ -229,7 +229,7 @@ def test_rag_refuses_while_a_long_call_runs_and_answers_both(rag):
     assert _refused(client, ("  ", 3), "only whitespace", "/ask") < REFUSAL_S
     assert not slow.done(), "the refusals came after the running call, not beside it"
     result = client.predict(QUESTION, 3, api_name="/ask")  # waits for the model's turn, then answers
-    assert result["answer"] and len(slow.result()["passages"]) == 20
+    assert result["answer"] and len(slow.result(timeout=300)["passages"]) == 20
 
 
 @pytest.mark.real_model
@@ -269,7 +269,7 @@ def test_gec_refuses_while_a_long_call_runs(gec):
         time.sleep(0.05)
     assert _refused(client, (HUGE,), "too long", "/correct") < REFUSAL_S
     assert not slow.done(), "the refusal came after the running call, not beside it"
-    assert slow.result()["correction"] and client.predict(SENTENCE, api_name="/correct")["correction"]
+    assert slow.result(timeout=300)["correction"] and client.predict(SENTENCE, api_name="/correct")["correction"]
 
 
 @pytest.mark.real_model

@@ -119,7 +119,7 @@ def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_B
         check_source(corrector, text)  # refused here, before waiting for the model
         segments = corrector.segments(text)
         requests = [corrector._request(s.text) for s in segments if s.text]
-        admit(corrector.model, sum(len(r.prompt) for r in requests), sum(r.max_new_tokens for r in requests), deadline)
+        admit(corrector.model, sum(len(r.prompt) for r in requests), deadline)
         if server is not None:
             yield _batched(text, segments, requests, deadline)
             return

@@ -274,7 +274,7 @@ class RagQA:
         return FallbackDrafter(drafter, DraftModelDrafter(self.draft_model))
 
     def _generate(self, prompt: list[int], drafter: Drafter, deadline: Deadline, on_step=None) -> Generation:
-        admit(self.model, len(prompt), self.max_new_tokens, deadline)  # OverBudgetError before any model work
+        admit(self.model, len(prompt), deadline)  # OverBudgetError before any model work
         if self.batch_size > 1:
             request = Request(prompt, drafter, max_new_tokens=self.max_new_tokens, on_step=deadline.on_step(on_step))
             return self._batch_server().run(request, deadline)

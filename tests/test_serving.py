@@ -1,0 +1,241 @@
+"""Many callers on one running batch (apps/serving.py), each within its time budget, waiting for a
+slot included; and the batched apps under concurrent gradio_client calls with hostile input among
+them (real apps launched in-process on the small model)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported
+
+import pytest
+from conftest import free_port
+
+from specsuite.apps.limits import Deadline, OverBudgetError, TimeBudgetExceeded
+
+DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
+QUESTION = "Who was the commander of Apollo 11?"
+ONE_LETTER = "x" * 200_000  # 200,000 characters of one letter
+NATURAL = "All work and no play makes Jack a dull boy. " * 3000  # ~30,000 tokens of natural text
+REFUSAL_S = 2.0
+
+
+def _prompt(tok, n: int) -> list[int]:
+    return tok("Count from one to one thousand: " + "one two three " * n)["input_ids"][:n]
+
+
+class Steps:
+    """An on_step callback that records the engine's forward count at each of its steps."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.at = engine, []
+
+    def __call__(self, tokens, flags) -> None:
+        self.at.append(self.engine.forward_passes)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    from specsuite.core.engine import BatchEngine
+
+    return BatchEngine(smollm2[0], batch_size=1, draft_budget=False)
+
+
+def test_a_request_queued_past_its_budget_leaves_the_queue_without_a_slot(smollm2, engine):
+    from specsuite.apps.serving import BatchServer
+    from specsuite.core.engine import Request
+
+    tok = smollm2[1]
+    server = BatchServer(engine)  # one slot: the second request waits for the first to finish
+    first = server.submit(Request(_prompt(tok, 20), max_new_tokens=150, on_step=Steps(engine)))
+    waited, abandoned = Steps(engine), Steps(engine)
+    start = time.monotonic()
+    with pytest.raises(TimeBudgetExceeded, match="busy with other requests for the whole time budget of 0.3 s"):
+        server.run(Request(_prompt(tok, 20), max_new_tokens=8, on_step=abandoned), Deadline(0.3))
+    assert time.monotonic() - start < 1.5, "the caller waited past its budget"
+    queued = server.submit(Request(_prompt(tok, 20), max_new_tokens=8, on_step=waited), Deadline(0.3))
+    assert first.result(timeout=120).tokens and not first.exception()
+    with pytest.raises(TimeBudgetExceeded, match="busy with other requests"):
+        queued.result(timeout=30)  # expired in the queue, though its caller never gave up
+    assert abandoned.at == [] and waited.at == [], "a request past its budget took a slot"
+    later = Steps(engine)
+    assert server.run(Request(_prompt(tok, 20), max_new_tokens=4, on_step=later), Deadline(60)).tokens and later.at
+
+
+def test_a_running_request_stops_at_its_next_step(smollm2, engine):
+    from specsuite.apps.limits import estimate_s
+    from specsuite.apps.serving import BatchServer
+    from specsuite.core.engine import Request
+
+    prompt = _prompt(smollm2[1], 20)
+    budget = 2 * estimate_s(smollm2[0], len(prompt), 6) + 0.5  # admitted: it may finish in time
+    steps = Steps(engine)
+
+    def slow_step(tokens, flags):  # each step takes a third of the budget: the third one ends it
+        steps(tokens, flags)
+        time.sleep(budget / 3)
+
+    deadline = Deadline(budget)
+    start = time.monotonic()
+    with pytest.raises(TimeBudgetExceeded, match=f"time budget of {budget:g} s"):
+        BatchServer(engine).run(Request(prompt, max_new_tokens=6, on_step=deadline.on_step(slow_step)), deadline)
+    assert 1 <= len(steps.at) < 6 and time.monotonic() - start < budget + 1
+
+
+def test_each_step_admits_at_most_the_prompt_token_cap(smollm2):
+    """Three 600-token prompts arriving together: two join the first step (1,200 >= 1,024, then
+    no more), the third the next one, so the others' decode steps are not stalled by all of them."""
+    from specsuite.apps.serving import BatchServer
+    from specsuite.core.engine import BatchEngine, Request
+
+    engine = BatchEngine(smollm2[0], batch_size=4, draft_budget=False)
+    server = BatchServer(engine, max_prompt_tokens=1024)
+    steps = [Steps(engine) for _ in range(3)]
+    queued = threading.Event()
+    # A running request keeps the engine stepping (its first step waits until all three are queued).
+    holder = server.submit(Request(_prompt(smollm2[1], 10), max_new_tokens=3, on_step=lambda *a: queued.wait(30)))
+    futures = [server.submit(Request(_prompt(smollm2[1], 600), max_new_tokens=2, on_step=s)) for s in steps]
+    queued.set()
+    for f in [holder, *futures]:
+        f.result(timeout=120)
+    first = [s.at[0] for s in steps]
+    assert first[0] == first[1] and first[2] == first[0] + 1, first
+
+
+# ---- the running apps --------------------------------------------------------------------------
+
+def _launch(app) -> str:
+    port = free_port()
+    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    return f"http://127.0.0.1:{port}/"
+
+
+@pytest.fixture(scope="module")
+def batched_rag(smollm2):
+    """A RagQA serving concurrent calls from one batch of 8, and a client of its app."""
+    from gradio_client import Client
+
+    from specsuite.apps.rag.qa import RagQA
+    from specsuite.apps.rag.ui import build_app
+    from specsuite.retrieval import Embedder, PassageIndex, load_documents
+
+    index = PassageIndex.build(load_documents([DEMO_CORPUS]), Embedder("minilm-l6"))
+    qa = RagQA.from_loaded(*smollm2, index, max_new_tokens=32, batch_size=8)
+    qa.ask(QUESTION, 3)  # warm: kernels and the step cost
+    app = build_app(qa, k=3, time_budget_s=30)
+    url = _launch(app)
+    yield qa, url, Client(url, verbose=False)
+    app.close()
+
+
+def _refusal_s(match: str, call, *args, **kwargs) -> float:
+    """Seconds until `call(*args, **kwargs)` was refused with an error matching `match`."""
+    start = time.monotonic()
+    with pytest.raises(Exception, match=match):
+        call(*args, **kwargs)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("question", [ONE_LETTER, NATURAL], ids=["one_letter", "natural"])
+def test_huge_questions_are_refused_at_once_while_a_normal_call_is_answered(batched_rag, question):
+    qa, url, client = batched_rag
+    from gradio_client import Client
+
+    start = time.monotonic()
+    client.predict(QUESTION, 3, api_name="/ask")
+    alone = time.monotonic() - start
+    normal = client.submit(QUESTION, 3, api_name="/ask")
+    other = Client(url, verbose=False)
+    assert _refusal_s("too long", other.predict, question, 3, api_name="/ask") < REFUSAL_S
+    assert _refusal_s("the question is too long: .* the limit is 1,000 tokens", qa.ask, question, 3) < REFUSAL_S
+    assert _refusal_s("too long", lambda: list(qa.stream_ask(question, 3))) < REFUSAL_S
+    assert normal.result(timeout=60)["answer"]
+    assert time.monotonic() - start - alone < 2 * alone + 2, "the normal call was slowed down by the refused ones"
+
+
+def test_cli_refuses_a_huge_question_before_loading_the_model(tmp_path, capsys):
+    from specsuite.cli import build_parser, main
+
+    build_parser()  # the commands' modules imported: the refusal itself is what is timed
+    for question in (ONE_LETTER, NATURAL):
+        start = time.monotonic()
+        assert main(["rag", "ask", str(tmp_path / "no-index"), question]) == 1
+        assert time.monotonic() - start < REFUSAL_S
+        assert "the question is too long" in capsys.readouterr().err
+
+
+def test_a_request_that_cannot_finish_in_its_budget_is_refused_before_the_model(batched_rag):
+    qa, _, _ = batched_rag
+    question = "Tell me everything about the water cycle and the plate tectonics. " * 12
+    start = time.monotonic()
+    with pytest.raises(OverBudgetError, match=r"would take at least [\d.]+ s on this machine .* time budget of 0.01 s"):
+        qa.ask(question, 20, time_budget_s=0.01)
+    assert time.monotonic() - start < REFUSAL_S
+
+
+def test_many_concurrent_calls_all_end_within_the_budget(smollm2, batched_rag):
+    """More calls than slots, with a short budget: each ends with an answer or the time-budget
+    error within the budget and a step's margin; hostile calls among them are refused at once."""
+    from gradio_client import Client
+
+    from specsuite.apps.rag.ui import build_app
+
+    qa, _, _ = batched_rag
+    budget = 12.0
+    app = build_app(qa, k=3, time_budget_s=budget)
+    url = _launch(app)
+    calls = [QUESTION if i % 6 else ONE_LETTER for i in range(24)]
+    clients = [Client(url, verbose=False) for _ in calls]
+
+    def call(i: int) -> tuple[str, float]:
+        start = time.monotonic()
+        try:
+            clients[i].predict(calls[i], 1, api_name="/ask")  # one passage: short prefills
+            return "answered", time.monotonic() - start
+        except Exception as e:  # noqa: BLE001 - each outcome is checked below
+            kinds = {"would take at least": "over_budget", "time budget": "timed_out", "too long": "refused"}
+            return next((k for needle, k in kinds.items() if needle in str(e)), repr(e)), time.monotonic() - start
+
+    try:
+        with ThreadPoolExecutor(len(calls)) as pool:
+            results = list(pool.map(call, range(len(calls))))
+    finally:
+        app.close()
+    assert {kind for kind, _ in results} <= {"answered", "timed_out", "refused", "over_budget"}, results
+    assert sum(kind == "refused" for kind, _ in results) == 4
+    # At once, though 24 calls arrive together at an app in this process, on a loaded 2-core machine.
+    assert all(t < 2 * REFUSAL_S for kind, t in results if kind in ("refused", "over_budget")), results
+    assert any(kind == "answered" for kind, _ in results), results
+    assert max(t for _, t in results) < budget + 3, results
+
+
+@pytest.fixture(scope="module")
+def batched_gec(smollm2):
+    from specsuite.apps.gec.corrector import Corrector
+    from specsuite.apps.gec.ui import build_app
+
+    corrector = Corrector.from_loaded(*smollm2, max_new_tokens=24)
+    app = build_app(corrector, time_budget_s=60, batch_size=8, warm_up=True)
+    url = _launch(app)
+    yield corrector, url
+    app.close()
+
+
+def test_gec_app_corrects_concurrent_users_in_one_batch(batched_gec):
+    from gradio_client import Client
+
+    from specsuite.apps.gec.corrector import demo_sentences
+
+    _, url = batched_gec
+    sentences = demo_sentences()[:8]
+    clients = [Client(url, verbose=False) for _ in sentences]
+    with ThreadPoolExecutor(len(sentences)) as pool:
+        results = list(pool.map(lambda i: clients[i].predict(sentences[i], api_name="/correct"), range(len(sentences))))
+    assert [r["source"] for r in results] == sentences and all(r["correction"] for r in results)
+    assert all(r["stats"]["estimated_speedup"] is None for r in results)  # shared forwards: no per-call estimate
+    with pytest.raises(Exception, match="the text is too long: 200,000 characters"):
+        clients[0].predict(ONE_LETTER, api_name="/correct")
