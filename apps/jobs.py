@@ -6,10 +6,11 @@ which turns texts into results (each with `.text` and `.to_record()`) or excepti
 
 Input: `.txt` (one text per line), `.jsonl` (one JSON object per line, the text in
 `field`), or an OpenAI Batch file (`.jsonl` whose first line is `{"custom_id", "method": "POST",
-"url": "/v1/chat/completions", "body": {...}}`: the text is the body's last user message). Lines are split on b"\\n" only and decoded one by one, so a bad line cannot
-stop the job: invalid UTF-8, malformed JSON, a missing or non-string field, an empty
-text, a text over the token limit, or a correction that raises becomes an error record
-naming the line, and the job goes on.
+"url": "/v1/chat/completions", "body": {...}}`: the text is the body's last user message).
+Lines are split on b"\\n" only and decoded one by one, so a bad line cannot stop the job:
+invalid UTF-8, malformed JSON, a missing or non-string field, an empty text, a text over the
+token limit, or a correction that raises becomes an error record naming the line, and the job
+goes on.
 
 Output, chosen by the output path's extension:
 

@@ -201,14 +201,12 @@ class ChatService:
                                          "waiting for the model") from None
         return out
 
-    def complete(self, req: api.ChatRequest, plan: Plan) -> api.Reply:
-        deadline = Deadline(self.time_budget_s)
+    def complete(self, req: api.ChatRequest, plan: Plan, deadline: Deadline) -> api.Reply:
         return _cut_at_stop(plan.finish(self._wait(self._submit(plan, deadline), deadline)), req.stop)
 
-    def stream(self, req: api.ChatRequest, plan: Plan) -> Iterator[str | api.Reply]:
+    def stream(self, req: api.ChatRequest, plan: Plan, deadline: Deadline) -> Iterator[str | api.Reply]:
         """The content's deltas as the batch decodes it, then the Reply. Closing the iterator ends
         the sequences at their next step."""
-        deadline = Deadline(self.time_budget_s)
         tokens: list[list[int]] = [[] for _ in plan.requests]
         steps: queue.Queue[int] = queue.Queue()
         closed = threading.Event()
@@ -227,8 +225,12 @@ class ChatService:
                 try:
                     steps.get(timeout=0.05)
                 except queue.Empty:
+                    if deadline.remaining() == 0:
+                        break  # _wait gives the sequences a last step to end, then reports the timeout
                     continue
-                text = _cut(plan.partial([list(t) for t in tokens], [f.done() for f in futures]), req.stop)
+                # An incomplete character decodes as U+FFFD: held back until its bytes are all there.
+                text = plan.partial([list(t) for t in tokens], [f.done() for f in futures])
+                text = _cut(text, req.stop).rstrip("\ufffd")
                 text = text[: len(text) - hold] if hold else text
                 if len(text) > len(sent) and text.startswith(sent):
                     yield text[len(sent):]
@@ -275,6 +277,7 @@ def create_app(service: ChatService, ui: bool = True):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
+        deadline = Deadline(service.time_budget_s)  # from the request's arrival: retrieval and waiting count
         try:
             body = json.loads(await http.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -289,15 +292,14 @@ def create_app(service: ChatService, ui: bool = True):
         try:
             plan = await run_in_threadpool(service.plan, req)  # the app's checks; retrieval for RAG
             if not req.stream:
-                reply = await run_in_threadpool(service.complete, req, plan)
+                reply = await run_in_threadpool(service.complete, req, plan, deadline)
                 service.release()
                 return api.completion(reply, req.model)
         except Exception as e:  # noqa: BLE001
             service.release()
-            if (status := _status(e)) is None:
-                raise
-            return fail(status, str(e))
-        return StreamingResponse(_events(service, req, plan), media_type="text/event-stream")
+            status = _status(e)
+            return fail(status or 500, str(e) if status else f"{type(e).__name__}: {e}")
+        return StreamingResponse(_events(service, req, plan, deadline), media_type="text/event-stream")
 
     if ui:
         import gradio as gr
@@ -311,12 +313,12 @@ def create_app(service: ChatService, ui: bool = True):
     return app
 
 
-def _events(service: ChatService, req: api.ChatRequest, plan: Plan) -> Iterator[bytes]:
+def _events(service: ChatService, req: api.ChatRequest, plan: Plan, deadline: Deadline) -> Iterator[bytes]:
     """The server-sent events of a streamed completion (run by Starlette in a worker thread)."""
     id_, created = api.completion_id(), int(time.time())
     try:
         yield api.sse(api.chunk(id_, req.model, created, {"role": "assistant", "content": ""}))
-        for item in service.stream(req, plan):
+        for item in service.stream(req, plan, deadline):
             if isinstance(item, str):
                 yield api.sse(api.chunk(id_, req.model, created, {"content": item}))
                 continue

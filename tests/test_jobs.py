@@ -207,10 +207,8 @@ def kill_9_after(child: subprocess.Popen, out: Path, lines: int, within_s: float
         child.wait()
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
-def test_resume_after_kill_9(tmp_path, suffix):
-    inp = write_lines(tmp_path / "in.txt", INPUT)
-    out = tmp_path / f"out{suffix}"
+def fake_job(inp: Path, out: Path) -> subprocess.Popen:
+    """A subprocess running the job over `inp` into `out` with the rule-based corrector, 0.05 s a line."""
     script = (
         "import sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
@@ -218,8 +216,14 @@ def test_resume_after_kill_9(tmp_path, suffix):
         "from specsuite.apps.jobs import run_batch\n"
         f"run_batch({str(inp)!r}, {str(out)!r}, lambda: FakeCorrector.worker(delay=0.05), progress=False)\n"
     )
-    kill_9_after(subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"}),
-                 out, lines=10, within_s=60)
+    return subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
+def test_resume_after_kill_9(tmp_path, suffix):
+    inp = write_lines(tmp_path / "in.txt", INPUT)
+    out = tmp_path / f"out{suffix}"
+    kill_9_after(fake_job(inp, out), out, lines=10, within_s=60)
     written = out.read_bytes().count(b"\n")
     assert 10 <= written < len(INPUT)
     summary = run_batch(inp, out, FakeCorrector.worker, progress=False)

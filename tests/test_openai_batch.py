@@ -3,15 +3,12 @@ errors in place, resumable after kill -9; driven by the rule-based corrector of 
 by the real apps."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from specsuite.apps.jobs import input_format, run_batch
-from test_jobs import FakeCorrector, fix, kill_9_after, read_jsonl
+from test_jobs import FakeCorrector, fake_job, fix, kill_9_after, read_jsonl
 
 DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
 
@@ -88,15 +85,7 @@ def test_a_hundred_mixed_requests_give_a_hundred_lines_keyed_by_custom_id(tmp_pa
 def test_openai_batch_resumes_after_kill_9(tmp_path):
     inp, texts = batch_file(tmp_path / "in.jsonl")
     out = tmp_path / "out.jsonl"
-    script = (
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_jobs import FakeCorrector\n"
-        "from specsuite.apps.jobs import run_batch\n"
-        f"run_batch({str(inp)!r}, {str(out)!r}, lambda: FakeCorrector.worker(delay=0.05), progress=False)\n"
-    )
-    kill_9_after(subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"}),
-                 out, lines=10, within_s=60)
+    kill_9_after(fake_job(inp, out), out, lines=10, within_s=60)
     written = out.read_bytes().count(b"\n")
     assert 10 <= written < 100
     summary = run_batch(inp, out, FakeCorrector.worker, progress=False)

@@ -215,3 +215,21 @@ def test_eight_concurrent_clients_share_one_batch(server, client):
     assert [r.choices[0].message.content for r in together] == alone
     sequential = sum(r.model_extra["speculation"]["forward_passes"] for r in together)
     assert forwards < sequential  # the sequences stepped in shared forwards
+
+
+def test_a_full_server_answers_429(smollm2_fp32):
+    from specsuite.apps.server import ChatService, create_app
+
+    service = ChatService.from_loaded(*smollm2_fp32, batch_size=1, max_queue=0)
+    url, stop = serve(create_app(service, ui=False))
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        lines = "\n".join(SENTENCES * 2)  # 16 segments, one at a time: seconds of decoding
+        first = client.chat.completions.create(model="specsuite-gec", stream=True,
+                                               messages=[{"role": "user", "content": lines}])
+        with pytest.raises(openai.RateLimitError) as e:
+            client.chat.completions.create(model="specsuite-gec", messages=[{"role": "user", "content": "He go."}])
+        assert e.value.status_code == 429 and "limit" in e.value.body["message"]
+        assert "".join(c.choices[0].delta.content or "" for c in first if c.choices)  # the first one goes on
+    finally:
+        stop()
