@@ -28,18 +28,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import statistics
 import sys
-import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
-from . import decoder_forward
+from .calibration import measure_forward_costs
 from .draft import Draft
 from .draft_budget import StepCost, cost_file
+from . import forward as llama
 from .exact_attention import NAME as EXACT_ATTENTION, block_rows
 from .exact_linear import (FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, bf16_rows, drop_packed, fp32_linear, packed_bf16_runs,
                            packed_rows, short_call_rows)
@@ -137,14 +136,14 @@ class Backend:
                 mask = torch.zeros(mask.shape, dtype=model.dtype, device=model.device).masked_fill(
                     ~mask, torch.finfo(model.dtype).min)
         with self.rows(len(fresh), len(fresh) + n):
-            if decoder_forward.supports(model):
+            if llama.supports(model):
                 if positions is None:
                     positions = torch.arange(past, past + ids.shape[1], device=model.device)[None]
                 head = None
                 if self.logit_screen and greedy_margin is not None:
                     screen = screen_for(model.lm_head)
                     head = lambda hidden: screen(hidden[0], greedy_margin)[None]  # noqa: E731
-                return decoder_forward.forward(model, ids, cache, positions, mask, n + 1, head=head)
+                return llama.cache_forward(model, ids, cache, positions, mask, n + 1, head=head)
             extra = {} if mask is None else {"position_ids": positions, "attention_mask": mask}
             return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
 
@@ -240,30 +239,6 @@ def use_backend(model, kind: str) -> Backend:
     return backend
 
 
-def measure_forward_costs(model, backends: list[Backend], rows: list[int], context: int = 80, reps: int = 5,
-                          seed: int = 0) -> dict[str, dict[int, float]]:
-    """Median seconds of a verify forward of each row count (a root token and a chain draft) after
-    `context` cached tokens, per backend, alternating: {backend name: {rows: s}}."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = min(model.config.vocab_size, 32000)
-    prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
-    times: dict[str, dict[int, list[float]]] = {b.name: {k: [] for k in rows} for b in backends}
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        backends[0].forward(model, prompt, cache, 0, None)
-        for rep in range(reps + 1):  # the first round warms up
-            for k in rows:
-                for backend in backends:
-                    tokens = torch.randint(0, vocab, (k,), generator=gen).tolist()
-                    draft = Draft.chain(tokens[1:]) if k > 1 else None
-                    start = time.perf_counter()
-                    backend.forward(model, tokens[:1], cache, context, draft, greedy_margin=backend.tie_margin)
-                    if rep:
-                        times[backend.name][k].append(time.perf_counter() - start)
-                    cache.crop(-k)
-    return {name: {k: statistics.median(v) for k, v in per_rows.items()} for name, per_rows in times.items()}
-
-
 def _measured(model, measure: str, backends: list[Backend], rows: list[int]) -> dict[str, dict[int, float]]:
     """`measure_forward_costs` of `backends` (reps 2): {name: {rows: s}}, each backend's kept on
     disk as a `StepCost` per machine and model (`cost_file` of `measure`) and read from there on
@@ -321,7 +296,7 @@ def fp32_backend(model) -> Backend:
     2.6% less time on 30 JFLEG sentences (A/B)."""
     backend = replace(FP32_CPU, linear=functools.partial(fp32_linear, forms=fp32_forms(model)))
     head = getattr(model, "lm_head", None)
-    if not (packed_bf16_runs() and decoder_forward.supports(model) and isinstance(head, torch.nn.Linear)
+    if not (packed_bf16_runs() and llama.supports(model) and isinstance(head, torch.nn.Linear)
             and head.bias is None and head.weight.dtype == torch.float32):
         return replace(backend, draft_cost=fp32_step_cost(model))
     screened = replace(backend, name=f"{backend.name}+logit-screen", logit_screen=True)

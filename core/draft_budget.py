@@ -17,7 +17,7 @@ from .draft import Draft
 class StepCost:
     """Seconds of one engine forward by its number of rows (piecewise linear between measured
     points, linear beyond the last one). Measured once per machine, model and dtype and kept on
-    disk (`BatchEngine.measure_step_cost`), so the draft budget follows this machine's kernels,
+    disk (`calibration.slot_step_cost`), so the draft budget follows this machine's kernels,
     not constants."""
 
     def __init__(self, points: dict[int, float]) -> None:

@@ -8,7 +8,7 @@ the accepted path (`settle`). `generate()` is that loop with one sequence.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Callable, Sequence as Seq
 
 import torch
@@ -81,6 +81,7 @@ class Request:
 
     prompt: list[int]
     drafter: Drafter | None = None
+    _: KW_ONLY
     max_new_tokens: int = 256
     sampling: Sampling | None = None
     generator: torch.Generator | None = None

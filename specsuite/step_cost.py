@@ -5,7 +5,7 @@ depends on the kernels (bf16 with AMX: smooth growth; fp32 on an AVX2-only CPU: 
 then jumps at 8, 16 and 32, which `generate()`'s draft size ladder follows). This measures it: a
 prompt of random tokens is prefilled once, then a chain of k-1 draft tokens after one fresh token
 runs through each backend's forward (`core.backend`), k rows in all, every row count in turn,
-`reps` rounds, and the cache is cropped back after each: the model's exact form for its dtype and
+`reps` rounds (the one timing loop, `core.calibration`), the cache cropped back after each: the model's exact form for its dtype and
 the plain multi-row forward. It also says which backend `generate()` runs for this model here.
 """
 
@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from specsuite.core.backend import (EXACT_BF16, FP32_CPU, backend_for, choose_backend, measure_forward_costs, plain_backend,
-                                    plain_forms)
+from specsuite.core.backend import EXACT_BF16, FP32_CPU, backend_for, choose_backend, plain_backend, plain_forms
+from specsuite.core.calibration import measure_forward_costs
 from specsuite.core.exact_attention import NAME as EXACT_ATTENTION
 from specsuite.models import DEFAULT_MODEL, load_model
 

@@ -19,7 +19,7 @@ from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, packed_bf1
 from specsuite.core.draft_budget import StepCost, cost_file
 from specsuite.core.engine import BatchEngine, Request
 from specsuite.models import load_model
-from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
+from conftest import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
 
 def test_each_dtype_and_attention_gets_its_kind():

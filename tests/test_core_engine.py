@@ -13,7 +13,7 @@ import torch
 from specsuite.core import Draft, PromptLookupDrafter, Sampling
 from specsuite.core.draft_budget import DraftBudget, StepCost
 from specsuite.core.engine import BatchEngine, Request, engine_supports, generate_many
-from test_core_generate import OracleTreeDrafter, hf_greedy, model_for, prompts
+from conftest import OracleTreeDrafter, hf_greedy, model_for, prompts
 
 FLAT = StepCost({1: 1.0, 512: 1.0})  # rows cost nothing: every draft is verified whole
 
@@ -86,10 +86,10 @@ def test_kv_budget_makes_requests_wait_not_fail():
     ps = prompts(6, seed=9)
     truths = [hf_greedy(model, p, 16) for p in ps]
     engine = BatchEngine(model, 6, eos_token_id=[], cost=FLAT, kv_budget_bytes=1)
-    one = engine.token_bytes * 128  # the smallest cache the engine makes holds one slot of 128 positions
-    engine.kv_budget_bytes = 2 * one
+    one = engine.store.token_bytes * 128  # the smallest cache the engine makes holds one slot of 128 positions
+    engine.store.kv_budget_bytes = 2 * one
     assert [o.tokens for o in generate_many_with(engine, [Request(p, max_new_tokens=16) for p in ps])] == truths
-    assert engine.keys[0].shape[0] == 2  # never more than two slots
+    assert engine.store.keys[0].shape[0] == 2  # never more than two slots
 
 
 def test_a_bad_request_fails_alone():

@@ -13,7 +13,7 @@ from specsuite.core.draft_budget import StepCost, cost_file
 from specsuite.core.exact_linear import FP32_ROW_BUCKETS, packed_bf16_runs
 from specsuite.core.logit_screen import LogitScreen, screen_for
 from specsuite.core.verify import top_two
-from test_core_generate import OracleTreeDrafter, hf_greedy, prompts, tiny_model
+from conftest import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
 MARGIN = 1e-3
 

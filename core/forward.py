@@ -1,0 +1,213 @@
+"""The forward of a Llama-family decoder (Llama, Qwen2), without transformers' per-call machinery.
+
+`generate()` makes a forward pass per step, each ~75-150 ms on 2 CPU cores, and transformers'
+modeling code spends ~6% of that around the tensor ops: decorators on every layer and attention
+call, mask building, output records (measured on Qwen2.5-0.5B in bf16, 1 and 17 rows alike). This
+module calls the model's own submodules and rotary function in the order the modeling code does
+(`_layers`, the one layer loop), with one of two attentions:
+
+- `cache_forward` (one sequence, the model's `DynamicCache`): the model's own attention
+  implementation with the mask it would build, so its logits are bit for bit those of
+  `model(...)` (tested against it on tiny random and real models);
+- `forward` (the batched engine's slots): every slot's [fresh tokens, draft nodes] packed into one
+  row list for the linear layers (no padding) and padded per slot only for attention (a mask per
+  slot: its cached positions, causal fresh rows, tree ancestors for draft nodes).
+
+Other architectures, and eager attention, take `model(...)` (`supports`).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .draft import Draft
+from .exact_attention import NAME as EXACT_ATTENTION
+from .verify import tree_attention_mask
+
+ARCHITECTURES = ("llama", "qwen2")
+LONG_ROWS = 16  # slots with more rows (a prompt being prefilled) attend in a call of their own
+
+
+def supports(model) -> bool:
+    """Whether this module computes exactly what this model's own forward does."""
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    return (config.model_type in ARCHITECTURES and not model.training
+            and config._attn_implementation in ("sdpa", EXACT_ATTENTION)
+            and rope.get("rope_type", "default") == "default"
+            and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ())
+            and hasattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb"))
+
+
+# attend(layer index, attention module, q, k, v) -> the attention's output (1, rows, heads * dim)
+Attend = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _layers(model, ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """The decoder's layers over ids (1, T): the hidden states before the final norm (1, T, dim)."""
+    body = model.model
+    rotate = sys.modules[type(model).__module__].apply_rotary_pos_emb
+    x = body.embed_tokens(ids)
+    cos, sin = body.rotary_emb(x, position_ids)
+    for i, layer in enumerate(body.layers[: model.config.num_hidden_layers]):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        shape = (*h.shape[:-1], -1, attn.head_dim)
+        q = attn.q_proj(h).view(shape).transpose(1, 2)
+        k = attn.k_proj(h).view(shape).transpose(1, 2)
+        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        q, k = rotate(q, k, cos, sin)
+        x = x + attn.o_proj(attend(i, attn, q, k, v))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x
+
+
+def causal_mask(past: int, rows: int) -> torch.Tensor | None:
+    """The mask the modeling code gives sdpa for `rows` new tokens after `past` cached ones: None
+    where the kernel's own causal flag (or no mask) does the same, else (1, 1, rows, past + rows) bool."""
+    if rows == 1 or past == 0:
+        return None
+    return (torch.arange(past + rows)[None, :] <= past + torch.arange(rows)[:, None])[None, None]
+
+
+def cache_forward(model, ids: torch.Tensor, cache: DynamicCache, position_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None, logits_to_keep: int, head=None) -> torch.Tensor:
+    """ids, position_ids (1, T); attention_mask: a (1, 1, T, past + T) bool mask, or None for causal
+    attention. Appends the T tokens' keys and values to `cache`; returns the logits of the last
+    `logits_to_keep` rows, (logits_to_keep, vocab). head: computes the logits from the final
+    hidden states (1, rows, dim) in place of `model.lm_head`."""
+    implementation = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    if attention_mask is None:
+        attention_mask = causal_mask(cache.get_seq_length(), ids.shape[1])
+
+    def attend(i, attn, q, k, v):
+        k, v = cache.update(k, v, attn.layer_idx)
+        out, _ = implementation(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling)
+        return out.reshape(q.shape[0], q.shape[2], -1).contiguous()
+
+    x = _layers(model, ids, position_ids, attend)
+    return (head or model.lm_head)(model.model.norm(x)[:, -logits_to_keep:])[0]
+
+
+@dataclass
+class Rows:
+    """What a forward needs of a sequence: its cached length and the fresh tokens after it."""
+
+    length: int
+    fresh: list[int]
+
+
+@torch.inference_mode()
+def forward(model, backend, keys: list[torch.Tensor], values: list[torch.Tensor], slots: list,
+            drafts: list[Draft | None], logits_rows: int | None = None, where: list[int] | None = None) -> torch.Tensor:
+    """One forward over every slot's [fresh tokens, draft nodes] (`slots[i]`: a `Rows` or a
+    `Sequence`), their keys and values written into `keys`/`values` (per layer: slots x heads x
+    positions x dim) at cache slot `where[i]` (default i); the linear layers' kernels are
+    `backend`'s (a `core.backend.Backend`). Returns the logits, slot after slot, of its root (last
+    fresh token) and each draft node (`logits_rows`=1: the root only): (rows, vocab)."""
+    device = model.device
+    where = list(range(len(slots))) if where is None else where
+    ids, positions, slot_of_row, write_at, wanted = [], [], [], [], []
+    masks, pasts = [], []
+    for s, (slot, draft) in enumerate(zip(slots, drafts)):
+        nodes = draft.tokens if draft is not None else []
+        f = len(slot.fresh)
+        first = len(ids)
+        ids += slot.fresh + nodes
+        positions += list(range(slot.length, slot.length + f))
+        positions += [slot.length + f - 1 + d for d in (draft.depths if draft is not None else [])]
+        slot_of_row += [where[s]] * (f + len(nodes))
+        write_at += list(range(slot.length, slot.length + f + len(nodes)))
+        wanted += list(range(first + f - 1, first + f + (len(nodes) if logits_rows is None else 0)))
+        pasts.append(slot.length)
+        # who sees whom among the slot's own new rows (its cached positions are seen by all)
+        if draft is not None:
+            masks.append(tree_attention_mask(draft, 0, f - 1)[0, 0])
+        else:
+            masks.append(torch.ones(f, f, dtype=torch.bool).tril())
+    n = len(ids)
+    groups = _attention_groups(masks, pasts, where, device, model.dtype)
+    to_dev = lambda t: t.to(device)  # noqa: E731
+    slot_t, write_t = to_dev(torch.tensor(slot_of_row)), to_dev(torch.tensor(write_at))
+    kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
+
+    def attend(i, attn, xq, xk, xv):
+        keys[i][slot_t, :, write_t] = xk[0].transpose(0, 1)
+        values[i][slot_t, :, write_t] = xv[0].transpose(0, 1)
+        heads = xq.shape[1]
+        rows = xq[0].transpose(0, 1)  # (n, heads, dim)
+        out = rows.new_empty(n, heads * head_dim)
+        for g in groups:
+            k, v = keys[i][g.slots, :, : g.width], values[i][g.slots, :, : g.width]
+            query = rows[g.pad].view(g.count, g.q, heads, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(query, k, v, attn_mask=g.mask, scale=attn.scaling,
+                                               enable_gqa=heads != kv_heads)
+            out[g.rows] = o.transpose(1, 2).reshape(g.count * g.q, -1)[g.flat]
+        return out[None]
+
+    # Every row is a block row: the linear layers take the backend's kernel for a whole block
+    # (exact_linear's fp32 kernels on the CPU, plain F.linear in bf16), or all take its draft
+    # rows' kernel where that is cheaper (`plain-packed`: packed weights).
+    with backend.rows(n if backend.engine_block else 0, n):
+        x = _layers(model, to_dev(torch.tensor([ids])), to_dev(torch.tensor([positions])), attend)
+        return model.lm_head(model.model.norm(x[:, to_dev(torch.tensor(wanted))]))[0]
+
+
+@dataclass
+class _AttentionGroup:
+    """Slots whose rows attend in one padded call: `count` slots x `q` query rows x `width` keys."""
+
+    slots: slice | torch.Tensor  # their cache slots (a slice where contiguous: a view, no copy)
+    count: int
+    q: int
+    width: int
+    mask: torch.Tensor  # (count, 1, q, width) additive: 0 where a row attends, the dtype's min elsewhere
+    pad: torch.Tensor  # (count * q,) padded query row -> packed row
+    flat: torch.Tensor  # the padded indices of the real rows, in packed order
+    rows: torch.Tensor  # the packed rows of these slots
+
+
+def _attention_groups(masks: list[torch.Tensor], pasts: list[int], where: list[int],
+                      device: torch.device, dtype: torch.dtype) -> list[_AttentionGroup]:
+    """The attention calls of a step. masks[s]: (rows, rows) bool, which of slot s's new rows see
+    which; every row also sees the slot's `pasts[s]` cached positions. Padding every slot to the
+    longest one's rows would make a step with one prompt being prefilled pay attention for ~30
+    rows in every slot: short and long slots attend apart."""
+    starts = [0]
+    for m in masks:
+        starts.append(starts[-1] + m.shape[0])
+    groups = []
+    for members in ([s for s, m in enumerate(masks) if m.shape[0] <= LONG_ROWS],
+                    [s for s, m in enumerate(masks) if m.shape[0] > LONG_ROWS]):
+        if not members:
+            continue
+        count, q = len(members), max(masks[s].shape[0] for s in members)
+        width = max(pasts[s] + masks[s].shape[0] for s in members)
+        past = torch.tensor([pasts[s] for s in members])
+        mask = (torch.arange(width)[None, None, :] < past[:, None, None]).expand(count, q, width).clone()
+        pad = torch.zeros(count, q, dtype=torch.long)
+        real = torch.zeros(count, q, dtype=torch.bool)
+        for j, s in enumerate(members):
+            rows = masks[s].shape[0]
+            mask[j, :rows, pasts[s]: pasts[s] + rows] = masks[s]
+            mask[j, rows:, 0] = True  # padding rows attend somewhere (no NaN); their output is dropped
+            pad[j, :rows] = torch.arange(starts[s], starts[s] + rows)
+            real[j, :rows] = True
+        cache = [where[s] for s in members]
+        contiguous = cache == list(range(cache[0], cache[0] + count))
+        groups.append(_AttentionGroup(
+            slots=slice(cache[0], cache[0] + count) if contiguous else torch.tensor(cache, device=device),
+            # An additive mask: CPU sdpa converts a bool mask at every call (~2x the time of the call)
+            count=count, q=q, width=width, pad=pad.reshape(-1).to(device),
+            mask=torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)[:, None].to(device),
+            flat=(torch.arange(count)[:, None] * q + torch.arange(q)[None, :])[real].to(device),
+            rows=torch.cat([torch.arange(starts[s], starts[s + 1]) for s in members]).to(device)))
+    return groups
+
