@@ -66,11 +66,12 @@ def outcome(error: Exception | None) -> str:
     if error is None:
         return "answered"
     message = str(error)
-    for needle, kind in (("would take at least", "over_budget"), ("time budget", "timed_out"),
+    for needle, kind in (("would take at least", "over_budget"), ("busy with other requests", "timed_out_waiting"),
+                         ("time budget", "timed_out"),
                          ("too long", "too_long"), ("empty", "blank"), ("only whitespace", "blank"),
                          ("must be a string", "not_a_string")):
         if needle in message:
-            return kind if kind == "timed_out" else f"refused:{kind}"
+            return kind if kind.startswith("timed_out") else f"refused:{kind}"
     return f"error:{type(error).__name__}: {message[:80]}"
 
 
@@ -138,8 +139,9 @@ def load_level(url: str, endpoint: str, app: str, calls: list[tuple[str, object]
     for _, result, _ in results:
         counts[result] = counts.get(result, 0) + 1
     refused_s = [t for _, r, t in results if r.startswith("refused:")]
+    waiting = counts.pop("timed_out_waiting", 0)  # its budget ended before it took a slot
     return {"clients": clients, "requests": len(calls), "answered": counts.pop("answered", 0),
-            "timed_out": counts.pop("timed_out", 0),
+            "timed_out": counts.pop("timed_out", 0) + waiting, "timed_out_waiting": waiting,
             "refused": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("refused:")},
             "errors": {k: v for k, v in counts.items() if not k.startswith("refused:")},
             "latency_s": {"p50": round(percentile(latencies, 0.5), 3), "p95": round(percentile(latencies, 0.95), 3),
