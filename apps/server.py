@@ -28,10 +28,10 @@ from starlette.concurrency import run_in_threadpool
 from specsuite.apps import openai_api as api
 from specsuite.apps.gec.corrector import Corrector
 from specsuite.apps.gec.limits import check_source
-from specsuite.apps.gec.prompt import instruction_ids
-from specsuite.apps.limits import Deadline, InputError, TimeBudgetExceeded, check_limit, check_text
+from specsuite.apps.limits import (Deadline, InputError, OverBudgetError, TimeBudgetExceeded, admit, check_limit,
+                                   check_text)
 from specsuite.apps.rag.qa import RagQA
-from specsuite.apps.serving import BatchServer
+from specsuite.apps.serving import BatchServer, wait
 from specsuite.core import Generation, PromptLookupDrafter, Sampling
 from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.generate import context_length
@@ -40,8 +40,6 @@ from specsuite.core.streaming import StreamClosed
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_MAX_QUEUE = 64  # requests waiting for a slot of the batch beyond those decoding
 DEFAULT_CHAT_TOKENS = 256  # a plain chat's answer budget when the request sets no max_tokens
-RESULT_GRACE_S = 5.0  # past the deadline, the engine's next step ends the request: wait that long for it
-NO_BUDGET_WAIT_S = 24 * 3600.0  # the longest wait for a result when there is no time budget
 
 
 class QueueFull(RuntimeError):
@@ -60,6 +58,7 @@ class Plan:
     requests: list[Request]
     partial: Callable[[list[list[int]], list[bool]], str]
     finish: Callable[[list[Generation]], api.Reply]
+    prompt_tokens: int | None = None  # what reading the prompts costs (None: all their tokens)
 
 
 class ChatService:
@@ -73,7 +72,7 @@ class ChatService:
         self.model_name = model_name or getattr(self.model, "name_or_preset", None) or "specsuite-model"
         self.time_budget_s = check_limit(time_budget_s, "the time budget")
         # GEC's instruction is the shared prefix: computed once, copied into each GEC slot.
-        engine = BatchEngine(self.model, batch_size, eos_token_id=corrector.eos, prefix=instruction_ids(self.tokenizer))
+        engine = BatchEngine(self.model, batch_size, eos_token_id=corrector.eos, prefix=corrector.instruction)
         self.batch = BatchServer(engine)
         qa._server = self.batch  # the RAG UI's requests join the same batch (RagQA with batch_size > 1)
         self.max_requests = batch_size + max_queue
@@ -146,7 +145,8 @@ class ChatService:
             return api.reply_of(self.corrector._finish(text, segments, [next(decoded) if s.text else None
                                                                          for s in segments]))
 
-        return Plan([self.corrector._request(s.text) for s in parts], partial, finish)
+        requests = [self.corrector._request(s.text) for s in parts]
+        return Plan(requests, partial, finish, self.corrector.prompt_tokens(requests))
 
     def _plan_rag(self, req: api.ChatRequest) -> Plan:
         question, k = self.qa.validate(req.last_user_text, req.k or 5)
@@ -183,23 +183,16 @@ class ChatService:
     # ---- running -----------------------------------------------------------------------------
 
     def _submit(self, plan: Plan, deadline: Deadline, on_step: Callable[[int, list[int]], None] | None = None):
-        """Every sequence of the plan into the batch; their Futures."""
+        """Every sequence of the plan into the batch, after the cost check (OverBudgetError); their Futures."""
+        admit(self.model, plan.prompt_tokens or sum(len(r.prompt) for r in plan.requests), deadline)
         futures = []
         for i, request in enumerate(plan.requests):
             inner = None if on_step is None else (lambda tokens, flags, i=i: on_step(i, tokens))
-            futures.append(self.batch.submit(dataclasses.replace(request, on_step=deadline.on_step(inner))))
+            futures.append(self.batch.submit(dataclasses.replace(request, on_step=deadline.on_step(inner)), deadline))
         return futures
 
     def _wait(self, futures, deadline: Deadline) -> list[Generation]:
-        out = []
-        for future in futures:
-            left = deadline.remaining()
-            try:
-                out.append(future.result(timeout=NO_BUDGET_WAIT_S if left is None else left + RESULT_GRACE_S))
-            except TimeoutError:  # never stepped (the batch was full): it ends at its first step
-                raise TimeBudgetExceeded(f"the request ran past its time budget of {deadline.budget_s:g} s "
-                                         "waiting for the model") from None
-        return out
+        return [wait(future, deadline) for future in futures]
 
     def complete(self, req: api.ChatRequest, plan: Plan, deadline: Deadline) -> api.Reply:
         return _cut_at_stop(plan.finish(self._wait(self._submit(plan, deadline), deadline)), req.stop)
@@ -226,7 +219,7 @@ class ChatService:
                     steps.get(timeout=0.05)
                 except queue.Empty:
                     if deadline.remaining() == 0:
-                        break  # _wait gives the sequences a last step to end, then reports the timeout
+                        break  # _wait reports the timeout; the sequences end at their next step
                     continue
                 # An incomplete character decodes as U+FFFD: held back until its bytes are all there.
                 text = plan.partial([list(t) for t in tokens], [f.done() for f in futures])
@@ -256,7 +249,7 @@ def _cut_at_stop(reply: api.Reply, stop: list[str]) -> api.Reply:
 
 # ---- the HTTP app ----------------------------------------------------------------------------
 
-STATUS = {InputError: 400, UnknownModel: 404, TimeBudgetExceeded: 408, QueueFull: 429}
+STATUS = {OverBudgetError: 408, InputError: 400, UnknownModel: 404, TimeBudgetExceeded: 408, QueueFull: 429}
 
 
 def _status(e: Exception) -> int | None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -42,7 +42,7 @@ from . import forward as llama
 from .exact_attention import NAME as EXACT_ATTENTION, block_rows
 from .exact_linear import (FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, bf16_rows, drop_packed, fp32_linear, packed_bf16_runs,
                            packed_rows, short_call_rows)
-from .logit_screen import drop_screen, screen_for
+from .logit_screen import LogitScreen
 from .verify import tree_attention_mask
 
 # fp32 on the CPU: a verify step of 2-4 rows costs 1.1-1.2x a one-row step, 5-9 rows ~1.4-1.7x,
@@ -89,8 +89,8 @@ class Backend:
     prefill_draft: draft nodes verified along with the prompt. plain_steps: prefill and one-token
     steps compute as plain decoding's do. lossless_prefix_cache: a prefix cache leaves the output
     unchanged. exact_attention: with `exact_rows`, the attention rounds draft rows as one-token
-    steps too (else one sdpa call). logit_screen: greedy forwards take their logits from
-    logit_screen.py's bf16 screen. engine_block: the batched engine computes all rows of its forwards
+    steps too (else one sdpa call). screen: greedy forwards take their logits from this bf16
+    screen of the model's output layer (logit_screen.py; None: from the layer). engine_block: the batched engine computes all rows of its forwards
     as one block (the prefill's form); False: in the draft rows' form (`plain-packed`: on packed weights).
     """
 
@@ -104,13 +104,13 @@ class Backend:
     lossless_prefix_cache: bool = False
     draft_cost: StepCost | None = None
     exact_attention: bool = True
-    logit_screen: bool = False
+    screen: LogitScreen | None = field(default=None, compare=False, repr=False)
     engine_block: bool = True
 
     @property
     def label(self) -> str:
         """The name, with the logit screen where it is on (for reports)."""
-        return self.name + (" + logit screen" if self.logit_screen else "")
+        return self.name + (" + logit screen" if self.screen is not None else "")
 
     def rows(self, block: int, total: int):
         """The context of one forward of `total` rows whose first `block` run as a prefill does."""
@@ -123,7 +123,7 @@ class Backend:
         """One target forward over [fresh tokens..., draft nodes...] after `past` cached tokens.
         Returns (1 + len(draft), vocab) logits: row 0 for the last fresh token (the root), then
         one per node. greedy_margin: the logits serve greedy verification with this tie margin
-        only (their argmax and near-ties), so a `logit_screen` backend may screen them."""
+        only (their argmax and near-ties), so a backend with a `screen` may screen them."""
         n = len(draft) if draft else 0
         ids = torch.tensor([fresh + (draft.tokens if draft else [])], device=model.device)
         positions, mask = None, None  # a chain needs no mask: plain causal attention
@@ -140,9 +140,8 @@ class Backend:
                 if positions is None:
                     positions = torch.arange(past, past + ids.shape[1], device=model.device)[None]
                 head = None
-                if self.logit_screen and greedy_margin is not None:
-                    screen = screen_for(model.lm_head)
-                    head = lambda hidden: screen(hidden[0], greedy_margin)[None]  # noqa: E731
+                if self.screen is not None and greedy_margin is not None:
+                    head = lambda hidden: self.screen(hidden[0], greedy_margin)[None]  # noqa: E731
                 return llama.cache_forward(model, ids, cache, positions, mask, n + 1, head=head)
             extra = {} if mask is None else {"position_ids": positions, "attention_mask": mask}
             return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
@@ -299,12 +298,11 @@ def fp32_backend(model) -> Backend:
     if not (packed_bf16_runs() and llama.supports(model) and isinstance(head, torch.nn.Linear)
             and head.bias is None and head.weight.dtype == torch.float32):
         return replace(backend, draft_cost=fp32_step_cost(model))
-    screened = replace(backend, name=f"{backend.name}+logit-screen", logit_screen=True)
+    screened = replace(backend, name=f"{backend.name}+logit-screen", screen=LogitScreen(head.weight))
     costs = _measured(model, LOGIT_SCREEN_COSTS, [backend, screened], list(FP32_ROW_BUCKETS))
     if sum(costs[screened.name].values()) < sum(costs[backend.name].values()):
         return replace(screened, name=backend.name, draft_cost=StepCost(costs[screened.name]))
-    drop_screen(head)  # a bf16 copy of the weights
-    return replace(backend, draft_cost=StepCost(costs[backend.name]))
+    return replace(backend, draft_cost=StepCost(costs[backend.name]))  # the screen's bf16 copy goes with `screened`
 
 
 def bf16_form_costs(model) -> dict[str, float]:

@@ -20,6 +20,7 @@ import contextvars
 import dataclasses
 import functools
 import types
+from typing import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -28,44 +29,46 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specsuite_exact"
 
-# (leading plain rows, all rows, memo, linear form, exact attention) of the current forward: the
-# prompt/fresh tokens, then the draft; the memo keeps what every layer of the forward would otherwise
-# work out again; the linear form is how `exact_linear.ExactLinear` computes the rows (None: plain
-# F.linear); exact attention False: one plain sdpa call for all rows.
-_block_rows: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("specsuite_block_rows", default=None)
+@dataclasses.dataclass
+class RowPlan:
+    """How the forward running now computes its rows: the first `block` (the prompt/fresh tokens) as
+    one block, as a prefill does, the other `total - block` (the draft) each as a one-token decode
+    step would. linear: how `exact_linear.ExactLinear` computes the rows, a function (layer, x,
+    block) -> y (None: plain F.linear); attention False: one plain sdpa call for all rows; memo:
+    what every layer of the forward would otherwise work out again."""
+
+    block: int
+    total: int
+    linear: Callable | None = None
+    attention: bool = True
+    memo: dict = dataclasses.field(default_factory=dict)
+
+
+_plan: contextvars.ContextVar[RowPlan | None] = contextvars.ContextVar("specsuite_row_plan", default=None)
 
 
 @contextlib.contextmanager
 def block_rows(n: int, total: int, linear=None, attention: bool = True):
-    """Within this context, forwards of `total` rows compute their first `n` rows as one block, as a
-    prefill does, and the others each as a one-token decode step would (attention, unless
-    `attention` is False, and, with `linear`, a function (layer, x, block) -> y, the `ExactLinear`
-    layers). One context per forward; a `core.backend.Backend` opens it."""
-    token = _block_rows.set((n, total, {}, linear, attention))
+    """Within this context, forwards of `total` rows follow `RowPlan(n, total, linear, attention)`.
+    One context per forward; a `core.backend.Backend` opens it."""
+    token = _plan.set(RowPlan(n, total, linear, attention))
     try:
         yield
     finally:
-        _block_rows.reset(token)
+        _plan.reset(token)
 
 
-def current_rows() -> tuple[int, int] | None:
-    """(block rows, all rows) of the forward running now, or None outside `block_rows`."""
-    rows = _block_rows.get()
-    return rows[:2] if rows else None
-
-
-def current_linear():
-    """How the linear layers compute the rows of the forward running now (None: plain F.linear)."""
-    rows = _block_rows.get()
-    return rows[3] if rows else None
+def current_plan() -> RowPlan | None:
+    """The row plan of the forward running now, or None outside `block_rows`."""
+    return _plan.get()
 
 
 def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
     """query (b, heads, q, d), key/value (b, kv_heads, kv, d) -> ((b, q, heads, d), None)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    rows = _block_rows.get()
-    block = rows[0] if rows and rows[4] else None
+    plan = _plan.get()
+    block = plan.block if plan is not None and plan.attention else None
     if q_len == 1 or block is None or (block >= q_len and block == kv_len):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv_len - q_len
@@ -75,7 +78,7 @@ def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     else:
         block = 0  # a lone root token is a decode step: a row like the draft rows below
     # The row calls are the same in every layer of this forward: planned once.
-    memo = _block_rows.get()[2]
+    memo = plan.memo
     plan_key = ("row calls", q_len, kv_len, block, None if attention_mask is None else attention_mask.data_ptr())
     calls = memo.get(plan_key)
     if calls is None:

@@ -61,7 +61,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from .exact_attention import current_linear, current_rows
+from .exact_attention import current_plan
 
 PLAIN_ROWS = 32
 PAD_WIDTHS = (33, 64, 96, 128, 192, 256)  # the padded widths `_form` tries, narrowest (cheapest) first
@@ -73,12 +73,11 @@ class ExactLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (1, rows, in) -> (1, rows, out); any other input is a plain `F.linear`."""
-        rows, layer_rows = current_rows(), current_linear()
-        if rows is None or layer_rows is None or self.weight.device.type != "cpu" or x.dim() != 3 or x.shape[0] != 1:
+        plan = current_plan()
+        if plan is None or plan.linear is None or self.weight.device.type != "cpu" or x.dim() != 3 or x.shape[0] != 1:
             return F.linear(x, self.weight, self.bias)
-        block, total = rows
         # the lm_head sees only the last rows (logits_to_keep)
-        return layer_rows(self, x, block - (total - x.shape[1]))
+        return plan.linear(self, x, plan.block - (plan.total - x.shape[1]))
 
 
 def bf16_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int) -> torch.Tensor:

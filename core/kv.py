@@ -34,7 +34,8 @@ PREFIX_ROWS = 128
 def keep_path(tensors: Iterable[torch.Tensor], base: int, path: list[int]) -> None:
     """The one rollback: each tensor holds positions on dim -2, draft node i at `base` + i; move the
     nodes of the accepted `path` to `base`, `base` + 1, ... (a path of the first laid-out nodes is
-    already there). Positions after the path are stale: a store crops or overwrites them."""
+    already there). Positions after the path are stale: a store crops or overwrites them.
+    `tensors` may be a generator: it is read only where something moves."""
     if path == list(range(len(path))):
         return
     tensors = list(tensors)
@@ -143,7 +144,7 @@ class SlotStore:
         return packed.forward(self.model, self.backend, self.keys, self.values, seqs, drafts, where=slots)
 
     def keep(self, slot: int, seq: Sequence, base: int, path: list[int], prefilled: bool) -> None:
-        keep_path([layer[slot] for store in (self.keys, self.values) for layer in store], base, path)
+        keep_path((layer[slot] for store in (self.keys, self.values) for layer in store), base, path)
 
     def release(self, slot: int) -> None:
         """Nothing to free: the slot's positions are overwritten by the next sequence."""
@@ -179,7 +180,7 @@ class CacheStore:
             return
         if prefilled and self.prefix_cache is not None:
             self.prefix_cache.store(seq.prompt, self.cache)
-        keep_path([t for layer in self.cache.layers for t in (layer.keys, layer.values)], base, path)
+        keep_path((t for layer in self.cache.layers for t in (layer.keys, layer.values)), base, path)
         # drop the rejected nodes, and after a near-tie the position that runs again
         if (extra := self.cache.get_seq_length() - min(base + len(path), seq.length)) > 0:
             self.cache.crop(-extra)

@@ -18,8 +18,6 @@ sum|h_i||w_i| <= |h| |w| (Cauchy-Schwarz), with |w| the largest row norm of the 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from .exact_linear import packed_bf16_runs, weight_state
@@ -29,15 +27,22 @@ U_FP32 = 2.0 ** -24
 
 
 class LogitScreen:
-    """logits = screen(hidden, margin) for an output layer `weight` (vocab, dim) in fp32, no bias."""
+    """logits = screen(hidden, margin) for an output layer `weight` (vocab, dim) in fp32, no bias.
+    Owned by the backend that uses it (`core.backend.Backend.screen`); its bf16 copy of the weight is
+    made on first use, and again whenever the weight changes in place."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight, self.state = weight.detach(), weight_state(weight)
+        self.weight, self.state = weight.detach(), None
+
+    def _copy(self) -> None:
+        """The bf16 copy of the weight (packed once where oneDNN runs bf16 calls on packed weights: a
+        plain call repacks them every time) and the error bound per unit of |hidden|."""
+        self.state = weight_state(self.weight)
         self.bf16 = self.weight.to(torch.bfloat16)
         self.packed = packed_bf16_runs()
-        if self.packed:  # packed once: a plain call repacks the weights every time
+        if self.packed:
             self.bf16 = torch.ops.mkldnn._reorder_linear_weight(self.bf16, 32)
-        dim = weight.shape[1]
+        dim = self.weight.shape[1]
         gamma = dim * U_FP32 / (1 - dim * U_FP32)
         self.product_error = (2 * U_BF16 + U_BF16 ** 2 + 2 * gamma * (1 + U_BF16) ** 2) * float(self.weight.norm(dim=1).max())
 
@@ -51,6 +56,8 @@ class LogitScreen:
     def __call__(self, hidden: torch.Tensor, margin: float) -> torch.Tensor:
         """hidden (m, dim) fp32 -> (m, vocab) fp32 logits: exact (an fp32 dot product) for every
         token within `margin` of the best by the bound, the bf16 score elsewhere."""
+        if self.state != weight_state(self.weight):
+            self._copy()
         logits = self.bf16_scores(hidden).float()  # fp32 reductions run faster than bf16 ones
         best, low = logits.amax(dim=1, keepdim=True), logits.amin(dim=1, keepdim=True)
         bound = (self.product_error * hidden.norm(dim=1, keepdim=True)
@@ -60,22 +67,3 @@ class LogitScreen:
         rows, tokens = torch.nonzero(logits >= best - 2 * bound - margin, as_tuple=True)
         logits[rows, tokens] = (hidden[rows] * self.weight[tokens]).sum(dim=1)
         return logits
-
-
-_screens: dict[int, LogitScreen] = {}  # id(weight) -> its screen; dropped with the weight
-
-
-def screen_for(layer: torch.nn.Linear) -> LogitScreen:
-    """The layer's `LogitScreen`, made on first use (a bf16 copy of its weight) and again
-    whenever the weight changes; kept outside the module, like exact_linear's packed weights."""
-    screen = _screens.get(id(layer.weight))
-    if screen is None or screen.state != weight_state(layer.weight):
-        if screen is None:
-            weakref.finalize(layer.weight, _screens.pop, id(layer.weight), None)
-        screen = _screens[id(layer.weight)] = LogitScreen(layer.weight)
-    return screen
-
-
-def drop_screen(layer: torch.nn.Linear) -> None:
-    """Free the layer's screen (after a measurement found it does not pay)."""
-    _screens.pop(id(layer.weight), None)

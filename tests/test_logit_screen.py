@@ -11,7 +11,7 @@ from specsuite.core import generate
 from specsuite.core.backend import LOGIT_SCREEN_COSTS, backend_for, use_backend
 from specsuite.core.draft_budget import StepCost, cost_file
 from specsuite.core.exact_linear import FP32_ROW_BUCKETS, packed_bf16_runs
-from specsuite.core.logit_screen import LogitScreen, screen_for
+from specsuite.core.logit_screen import LogitScreen
 from specsuite.core.verify import top_two
 from conftest import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
@@ -63,12 +63,13 @@ def test_generate_with_the_logit_screen_is_greedy(tmp_path, monkeypatch):
     screened_costs = {r: 0.5 + 0.01 * r for r in rows}
     StepCost(screened_costs).save(cost_file(model, measure=f"{LOGIT_SCREEN_COSTS}:{plain.name}+logit-screen"))
     chosen = use_backend(model, "auto")
-    assert chosen.logit_screen == packed_bf16_runs() and chosen.name == plain.name
-    if chosen.logit_screen:  # its drafts are capped on the costs of the screened forwards
+    assert (chosen.screen is not None) == packed_bf16_runs() and chosen.name == plain.name
+    if chosen.screen is not None:  # its drafts are capped on the costs of the screened forwards
         assert chosen.draft_cost.secs == list(screened_costs.values())
     # forced on where it would not be chosen, so that every CPU checks what it computes
-    model.specsuite_backend = ("auto", (model.dtype, model.device), replace(plain, logit_screen=True))
-    assert backend_for(model).logit_screen and backend_for(model).label == "fp32-cpu + logit screen"
+    screened = replace(plain, screen=LogitScreen(model.lm_head.weight))
+    model.specsuite_backend = ("auto", (model.dtype, model.device), screened)
+    assert backend_for(model).label == "fp32-cpu + logit screen"
     for i, p in enumerate(prompts(6, seed=31, lengths=(3, 120))):
         truth = hf_greedy(model, p, 40)
         out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[])
@@ -80,9 +81,9 @@ def test_the_screen_follows_in_place_changes_of_the_weight():
     gen = torch.Generator().manual_seed(2)
     layer = torch.nn.Linear(64, 500, bias=False)
     hidden = torch.randn(3, 64, generator=gen)
-    first = screen_for(layer)
-    assert screen_for(layer) is first
+    screen = LogitScreen(layer.weight)
+    screen(hidden, MARGIN)
     with torch.no_grad():
         layer.weight.mul_(-1)
-    screened = screen_for(layer)(hidden, MARGIN)
+    screened = screen(hidden, MARGIN)
     assert torch.equal(top_two(screened)[0], top_two(torch.nn.functional.linear(hidden, layer.weight))[0])

@@ -117,12 +117,19 @@ class Corrector:
         # per segment keeps both inside it (1024 tokens for the presets).
         self.context_limit = min(context_length(model) // 4, MAX_CONTEXT_LIMIT)
         self.prefix_cache = instruction_cache(model)
+        self.instruction = instruction_ids(tokenizer)
         self._engine: BatchEngine | None = None  # made on the first batched call
 
     # ---- public API ------------------------------------------------------------------------
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_tokens(self, requests: list[Request]) -> int:
+        """The prompt tokens that reading `requests` costs, what `limits.admit` weighs: the
+        instruction they share is read once (and is kept by the prefix cache and the batch)."""
+        shared = len(self.instruction)
+        return shared + sum(len(r.prompt) - shared for r in requests)
 
     def job_worker(self) -> JobWorker:
         """This corrector as the worker of a batch job over a file (`apps/jobs.py`)."""
@@ -180,7 +187,7 @@ class Corrector:
 
     def _batch_engine(self) -> BatchEngine:
         if self._engine is None:
-            self._engine = BatchEngine(self.model, eos_token_id=self.eos, prefix=instruction_ids(self.tokenizer))
+            self._engine = BatchEngine(self.model, eos_token_id=self.eos, prefix=self.instruction)
         return self._engine
 
     def _request(self, text: str) -> Request:

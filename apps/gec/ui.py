@@ -36,7 +36,6 @@ from specsuite.core.engine import BatchEngine, engine_supports
 
 from .corrector import Correction, Corrector, demo_sentences
 from .limits import check_source
-from .prompt import instruction_ids
 
 DRAFT_STYLE = "background:#dbeafe;border-radius:3px"  # light blue: confirmed in one verify pass
 DEL_STYLE = "color:#b91c1c;background:#fee2e2;text-decoration:line-through"
@@ -109,7 +108,7 @@ def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_B
     server = None
     if batch_size > 1 and engine_supports(corrector.model):
         engine = BatchEngine(corrector.model, batch_size, eos_token_id=corrector.eos,
-                             prefix=instruction_ids(corrector.tokenizer))
+                             prefix=corrector.instruction)
         server = BatchServer(engine)
 
     def corrections(text: object) -> Iterator[TextPiece | Correction]:
@@ -119,7 +118,7 @@ def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_B
         check_source(corrector, text)  # refused here, before waiting for the model
         segments = corrector.segments(text)
         requests = [corrector._request(s.text) for s in segments if s.text]
-        admit(corrector.model, sum(len(r.prompt) for r in requests), deadline)
+        admit(corrector.model, corrector.prompt_tokens(requests), deadline)
         if server is not None:
             yield _batched(text, segments, requests, deadline)
             return
