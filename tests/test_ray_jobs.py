@@ -28,7 +28,9 @@ MAX_NEW_TOKENS = 8  # short corrections keep the tests fast; truncation warnings
 # Batch size 1 (`--exact`): token for token greedy, so the output must equal the one-machine job's
 # byte for byte. The batched engine's output depends on which texts share a batch (near-ties), and
 # a block is one batch: with it the tests check every line once, in order, with the same errors.
-SETTINGS = {"model": "smollm2-135m", "drafter": "copy", "dtype": None, "max_new_tokens": MAX_NEW_TOKENS,
+# fp32: on every CPU one-at-a-time decoding is then plain greedy decoding in both processes (in
+# bf16 the backend, and so a near-tie, may differ between the reference's and the actors' loads).
+SETTINGS = {"model": "smollm2-135m", "drafter": "copy", "dtype": "fp32", "max_new_tokens": MAX_NEW_TOKENS,
             "batch_size": 1}
 BATCHED = {**SETTINGS, "batch_size": 8}
 BLOCK_LINES = 5
@@ -56,10 +58,10 @@ def input_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2, input_file, tmp_path_factory) -> dict[str, Path]:
+def reference(smollm2_fp32, input_file, tmp_path_factory) -> dict[str, Path]:
     """The one-machine job's outputs (.txt with its sidecar, .jsonl) with the same model and dtype."""
     out = tmp_path_factory.mktemp("ray_reference")
-    corrector = Corrector.from_loaded(*smollm2, max_new_tokens=MAX_NEW_TOKENS, batch_size=1)
+    corrector = Corrector.from_loaded(*smollm2_fp32, max_new_tokens=MAX_NEW_TOKENS, batch_size=1)
     paths = {suffix: out / f"ref{suffix}" for suffix in (".txt", ".jsonl")}
     for path in paths.values():
         run_batch(input_file, path, corrector.job_worker, progress=False)
@@ -67,11 +69,11 @@ def reference(smollm2, input_file, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2):
+def cluster(smollm2_fp32):
     """A one-node cluster on this machine with 2 CPUs, stopped at the end with every process it started.
     (Ray 2.x registers a local node under the machine's own IP even when asked for 127.0.0.1:
     `services.resolve_ip_for_localhost`; it is still this machine only.)
-    (`smollm2` first: the model is on disk before the actors load it.)"""
+    (`smollm2_fp32` first: the model is on disk before the actors load it.)"""
     # address="local": a new cluster, never one that `ray start` left running on this machine
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     actor_pids: set[int] = set()
@@ -191,7 +193,7 @@ def test_killing_the_driver_and_rerunning_gives_the_same_output(cluster, input_f
     command = [sys.executable, "-m", "specsuite.cli", "gec", "correct", str(input_file), "-o", str(output),
                "--ray", ray.get_runtime_context().gcs_address, "--workers", "2",
                "--block-lines", str(BLOCK_LINES), "--model", "smollm2-135m", "--max-new-tokens", str(MAX_NEW_TOKENS),
-               "--batch-size", "1"]  # one text at a time, as the reference (--exact would also change the backend)
+               "--batch-size", "1", "--dtype", "fp32"]  # one text at a time, as the reference (--exact would also change the backend)
     driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240

@@ -175,7 +175,7 @@ class Answer:
     def to_json(self) -> dict[str, Any]:
         return {
             "question": self.question, "answer": self.text, "citations": self.citations,
-            "claims": [c.to_json() for c in self.claims],
+            "claims": [c.to_json() for c in self.claims], "spans": [list(s) for s in self.spans],
             "passages": [{"number": n, "score": score, **passage_json(p)}
                          for n, (p, score) in enumerate(self.passages, 1)],
             "stats": self.stats,
