@@ -26,7 +26,6 @@ one costs over EXACT_OVERHEAD more than `plain`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from dataclasses import dataclass, field, replace
@@ -39,10 +38,10 @@ from .calibration import measure_forward_costs
 from .draft import Draft
 from .draft_budget import StepCost, cost_file
 from . import forward as llama
-from .exact_attention import NAME as EXACT_ATTENTION, block_rows
 from .exact_linear import (FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, bf16_rows, drop_packed, fp32_linear, packed_bf16_runs,
                            packed_rows, short_call_rows)
 from .logit_screen import LogitScreen
+from .row_plan import RowPlan
 from .verify import tree_attention_mask
 
 # fp32 on the CPU: a verify step of 2-4 rows costs 1.1-1.2x a one-row step, 5-9 rows ~1.4-1.7x,
@@ -112,11 +111,10 @@ class Backend:
         """The name, with the logit screen where it is on (for reports)."""
         return self.name + (" + logit screen" if self.screen is not None else "")
 
-    def rows(self, block: int, total: int):
-        """The context of one forward of `total` rows whose first `block` run as a prefill does."""
-        if not self.exact_rows:
-            return contextlib.nullcontext()
-        return block_rows(block, total, self.linear, attention=self.exact_attention)
+    def plan(self, block: int, total: int) -> RowPlan | None:
+        """How one forward of `total` rows, whose first `block` run as a prefill does, computes
+        them (None: as the model's own forward does)."""
+        return RowPlan(block, total, self.linear, self.exact_attention) if self.exact_rows else None
 
     def forward(self, model, fresh: list[int], cache: DynamicCache, past: int, draft: Draft | None,
                 greedy_margin: float | None = None) -> torch.Tensor:
@@ -135,16 +133,17 @@ class Backend:
             if model.config._attn_implementation == "eager":
                 mask = torch.zeros(mask.shape, dtype=model.dtype, device=model.device).masked_fill(
                     ~mask, torch.finfo(model.dtype).min)
-        with self.rows(len(fresh), len(fresh) + n):
-            if llama.supports(model):
-                if positions is None:
-                    positions = torch.arange(past, past + ids.shape[1], device=model.device)[None]
-                head = None
-                if self.screen is not None and greedy_margin is not None:
-                    head = lambda hidden: self.screen(hidden[0], greedy_margin)[None]  # noqa: E731
-                return llama.cache_forward(model, ids, cache, positions, mask, n + 1, head=head)
-            extra = {} if mask is None else {"position_ids": positions, "attention_mask": mask}
-            return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
+        if llama.supports(model):
+            if positions is None:
+                positions = torch.arange(past, past + ids.shape[1], device=model.device)[None]
+            head = None
+            if self.screen is not None and greedy_margin is not None:
+                head = lambda hidden: self.screen(hidden[0], greedy_margin)[None]  # noqa: E731
+            return llama.cache_forward(model, ids, cache, positions, mask, n + 1, head=head,
+                                       plan=self.plan(len(fresh), len(fresh) + n))
+        # other architectures: the model's own forward (their backend is `plain`, see choose_backend)
+        extra = {} if mask is None else {"position_ids": positions, "attention_mask": mask}
+        return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
 
 
 # exact-bf16: every row rounds bit for bit as in a one-token step, so no guard is needed (Qwen2.5-0.5B:
@@ -194,7 +193,7 @@ def plain_backend(dtype: torch.dtype) -> Backend:
 
 
 def plain_forms(dtype: torch.dtype) -> list[Backend]:
-    """The plain backends a model with the exact layers installed can run on the CPU in `dtype`:
+    """The plain backends a model of forward.py's architectures can run on the CPU in `dtype`:
     `plain`, and in bf16 `plain-packed` where oneDNN runs bf16 calls on packed weights."""
     return [plain_backend(dtype)] + ([PLAIN_PACKED] if dtype == torch.bfloat16 and packed_bf16_runs() else [])
 
@@ -205,8 +204,7 @@ def choose_backend(model, kind: str = "auto") -> Backend:
     if kind not in KINDS:
         raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
     cpu = model.device.type == "cpu"
-    exact_installed = model.config._attn_implementation == EXACT_ATTENTION
-    if kind == "plain" or not cpu or not exact_installed or model.dtype not in (torch.bfloat16, torch.float32):
+    if kind == "plain" or not cpu or not llama.supports(model) or model.dtype not in (torch.bfloat16, torch.float32):
         return plain_backend(model.dtype)
     if model.dtype == torch.float32:
         return fp32_backend(model)

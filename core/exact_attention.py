@@ -9,67 +9,28 @@ causal call, exactly as `generate()`'s prefill does, and the root and each draft
 call over exactly the keys it may see, exactly as a decode step does. In bf16, rows of similar
 length share one call, batched and padded where that rounds the same (tested; see `_groups`).
 
-The linear layers need the same care in bf16: see exact_linear.py, which `load_model` installs
-alongside this attention. In fp32 the differences are ~1e-5, and generate() guards near-ties.
+The linear layers need the same care in bf16: see exact_linear.py. A backend's `RowPlan`
+(row_plan.py) says which rows are the block; forward.py's layer loop calls this attention with it. In fp32 the differences are ~1e-5, and generate() guards near-ties.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import types
-from typing import Callable
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-NAME = "specsuite_exact"
-
-@dataclasses.dataclass
-class RowPlan:
-    """How the forward running now computes its rows: the first `block` (the prompt/fresh tokens) as
-    one block, as a prefill does, the other `total - block` (the draft) each as a one-token decode
-    step would. linear: how `exact_linear.ExactLinear` computes the rows, a function (layer, x,
-    block) -> y (None: plain F.linear); attention False: one plain sdpa call for all rows; memo:
-    what every layer of the forward would otherwise work out again."""
-
-    block: int
-    total: int
-    linear: Callable | None = None
-    attention: bool = True
-    memo: dict = dataclasses.field(default_factory=dict)
-
-
-_plan: contextvars.ContextVar[RowPlan | None] = contextvars.ContextVar("specsuite_row_plan", default=None)
-
-
-@contextlib.contextmanager
-def block_rows(n: int, total: int, linear=None, attention: bool = True):
-    """Within this context, forwards of `total` rows follow `RowPlan(n, total, linear, attention)`.
-    One context per forward; a `core.backend.Backend` opens it."""
-    token = _plan.set(RowPlan(n, total, linear, attention))
-    try:
-        yield
-    finally:
-        _plan.reset(token)
-
-
-def current_plan() -> RowPlan | None:
-    """The row plan of the forward running now, or None outside `block_rows`."""
-    return _plan.get()
 
 
 def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
-    """query (b, heads, q, d), key/value (b, kv_heads, kv, d) -> ((b, q, heads, d), None)."""
+                    attention_mask: torch.Tensor | None, plan, **kwargs) -> tuple[torch.Tensor, None]:
+    """query (b, heads, q, d), key/value (b, kv_heads, kv, d) -> ((b, q, heads, d), None): the
+    first `plan.block` query rows as a prefill's causal call, the others as one-token steps
+    (`plan`: a `row_plan.RowPlan`, whose memo keeps the row calls for the forward's other layers)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    plan = _plan.get()
-    block = plan.block if plan is not None and plan.attention else None
-    if q_len == 1 or block is None or (block >= q_len and block == kv_len):
+    block = plan.block
+    if q_len == 1 or (block >= q_len and block == kv_len):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv_len - q_len
     out = []
@@ -278,7 +239,3 @@ def _one_row_calls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     calls = _plan_call(list(range(len(visible))), visible, key.shape[2])
     return torch.cat([_run_call(query[:, :, call.rows], key, value, call, scaling, gqa) for call in calls], dim=1)
 
-
-AttentionInterface.register(NAME, exact_attention)
-# Masks are built as for sdpa, so that HF's own generate() sees exactly what it would with sdpa.
-AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -4,9 +4,9 @@ The companion of exact_attention.py. A bf16 matmul rounds the last bit of some o
 the number of rows in the call: a k-row verify call may round otherwise than a decode step's
 one-row call, and so may a prefill's rows when draft rows follow them in the same call. Those last
 bits drift into the KV cache and flip an exact tie of the logits now and then (measured on
-Qwen2.5-0.5B: 4 of 100 JFLEG corrections diverged from greedy). So within `block_rows(n, total)`
-the n block rows (a prefill) run as one call of their own, as `generate()`'s prefill does, and the
-other rows in a form that rounds each row as a one-row call does.
+Qwen2.5-0.5B: 4 of 100 JFLEG corrections diverged from greedy). So in a forward whose `RowPlan`
+has `block` n, the n block rows (a prefill) run as one call of their own, as `generate()`'s
+prefill does, and the other rows in a form that rounds each row as a one-row call does.
 
 Why calls round differently: oneDNN (AMX) may split the sum over a call's input dimension into
 runs summed apart in fp32 (by threads, by cache blocks), according to the call's shape. A one-row
@@ -36,8 +36,8 @@ one-row call there rounds as `F.linear`'s (`packed_one_row_is_plain`: every Qwen
 Zen 5 CPU, whose multi-row calls take the column-major form). The `plain-packed` backend's draft
 rows run on packed weights too (`packed_rows`): cheaper than plain calls, not exact.
 
-Every form is also checked on random rows, and tested on real activations. Calls outside
-`block_rows` (HF's own generate()) are plain `F.linear`.
+Every form is also checked on random rows, and tested on real activations. The model's own layers
+are never changed: HF's generate() computes as ever; only forward.py's layer loop calls these forms.
 
 In fp32 no form rounds draft rows bit for bit as one-row calls, and none needs to: rows differ
 from plain calls by ~1e-6, and generate()'s tie guard redoes, as plain decoding computes them, the
@@ -61,23 +61,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from .exact_attention import current_plan
-
 PLAIN_ROWS = 32
 PAD_WIDTHS = (33, 64, 96, 128, 192, 256)  # the padded widths `_form` tries, narrowest (cheapest) first
-
-
-class ExactLinear(torch.nn.Linear):
-    """`nn.Linear` that computes the rows of a forward in the form its `block_rows` context names
-    (`bf16_rows`, `fp32_linear`: the backend's choice); elsewhere a plain `F.linear`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (1, rows, in) -> (1, rows, out); any other input is a plain `F.linear`."""
-        plan = current_plan()
-        if plan is None or plan.linear is None or self.weight.device.type != "cpu" or x.dim() != 3 or x.shape[0] != 1:
-            return F.linear(x, self.weight, self.bias)
-        # the lm_head sees only the last rows (logits_to_keep)
-        return plan.linear(self, x, plan.block - (plan.total - x.shape[1]))
 
 
 def bf16_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int) -> torch.Tensor:
@@ -147,14 +132,6 @@ def drop_packed(model: torch.nn.Module) -> None:
         _packed.pop(id(weight), None)
 
 
-def install(model: torch.nn.Module) -> int:
-    """Turn the `nn.Linear` layers of `model` into `ExactLinear` (same weights); returns how many."""
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    for module in linears:
-        module.__class__ = ExactLinear
-    return len(linears)
-
-
 def one_row_rounding(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (m, in) -> (m, out): `F.linear` of each row alone, bit for bit, in as few calls as the
     kernel allows (`_form`)."""
@@ -169,10 +146,10 @@ def one_row_rounding(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def short_call_rows(model: torch.nn.Module) -> int:
-    """The most rows that every `ExactLinear` layer of `model` (bf16) rounds as one-row calls in
+    """The most rows that every linear layer of `model` (bf16) rounds as one-row calls in
     one cheap call: PLAIN_ROWS, or fewer where a layer that otherwise needs padded columns (or one
     call per row) takes them column-major only up to its `short` rows."""
-    shapes = {(*m.weight.shape, m.bias is not None) for m in model.modules() if isinstance(m, ExactLinear)}
+    shapes = {(*m.weight.shape, m.bias is not None) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     forms = [_form(*shape) for shape in shapes]
     return min([f.short for f in forms if f.short], default=PLAIN_ROWS)  # only those layers have a `short`
 

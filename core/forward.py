@@ -28,7 +28,8 @@ from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .draft import Draft
-from .exact_attention import NAME as EXACT_ATTENTION
+from .exact_attention import exact_attention
+from .row_plan import RowPlan
 from .verify import tree_attention_mask
 
 ARCHITECTURES = ("llama", "qwen2")
@@ -40,7 +41,8 @@ def supports(model) -> bool:
     config = model.config
     rope = getattr(config, "rope_parameters", None) or {}
     return (config.model_type in ARCHITECTURES and not model.training
-            and config._attn_implementation in ("sdpa", EXACT_ATTENTION)
+            and config._attn_implementation == "sdpa"
+            and all(hasattr(model.model.layers[0].mlp, f) for f in ("gate_proj", "up_proj", "down_proj", "act_fn"))
             and rope.get("rope_type", "default") == "default"
             and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ())
             and hasattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb"))
@@ -50,8 +52,13 @@ def supports(model) -> bool:
 Attend = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _layers(model, ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """The decoder's layers over ids (1, T): the hidden states before the final norm (1, T, dim)."""
+def _project(plan: RowPlan | None, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return layer(x) if plan is None else plan.project(layer, x)
+
+
+def _layers(model, ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend, plan: RowPlan | None) -> torch.Tensor:
+    """The decoder's layers over ids (1, T), their linear layers in `plan`'s form (None: the
+    model's own): the hidden states before the final norm (1, T, dim)."""
     body = model.model
     rotate = sys.modules[type(model).__module__].apply_rotary_pos_emb
     x = body.embed_tokens(ids)
@@ -60,12 +67,13 @@ def _layers(model, ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         shape = (*h.shape[:-1], -1, attn.head_dim)
-        q = attn.q_proj(h).view(shape).transpose(1, 2)
-        k = attn.k_proj(h).view(shape).transpose(1, 2)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        q = _project(plan, attn.q_proj, h).view(shape).transpose(1, 2)
+        k = _project(plan, attn.k_proj, h).view(shape).transpose(1, 2)
+        v = _project(plan, attn.v_proj, h).view(shape).transpose(1, 2)
         q, k = rotate(q, k, cos, sin)
-        x = x + attn.o_proj(attend(i, attn, q, k, v))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + _project(plan, attn.o_proj, attend(i, attn, q, k, v))
+        h, mlp = layer.post_attention_layernorm(x), layer.mlp  # the MLP as the modeling code computes it
+        x = x + _project(plan, mlp.down_proj, mlp.act_fn(_project(plan, mlp.gate_proj, h)) * _project(plan, mlp.up_proj, h))
     return x
 
 
@@ -78,12 +86,16 @@ def causal_mask(past: int, rows: int) -> torch.Tensor | None:
 
 
 def cache_forward(model, ids: torch.Tensor, cache: DynamicCache, position_ids: torch.Tensor,
-                  attention_mask: torch.Tensor | None, logits_to_keep: int, head=None) -> torch.Tensor:
+                  attention_mask: torch.Tensor | None, logits_to_keep: int, head=None,
+                  plan: RowPlan | None = None) -> torch.Tensor:
     """ids, position_ids (1, T); attention_mask: a (1, 1, T, past + T) bool mask, or None for causal
     attention. Appends the T tokens' keys and values to `cache`; returns the logits of the last
     `logits_to_keep` rows, (logits_to_keep, vocab). head: computes the logits from the final
-    hidden states (1, rows, dim) in place of `model.lm_head`."""
+    hidden states (1, rows, dim) in place of `model.lm_head`. plan: how the rows are computed
+    (None: as `model(...)` computes them)."""
     implementation = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    if plan is not None and plan.attention:
+        implementation = lambda *args, **kw: exact_attention(*args, plan, **kw)  # noqa: E731
     if attention_mask is None:
         attention_mask = causal_mask(cache.get_seq_length(), ids.shape[1])
 
@@ -92,8 +104,9 @@ def cache_forward(model, ids: torch.Tensor, cache: DynamicCache, position_ids: t
         out, _ = implementation(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling)
         return out.reshape(q.shape[0], q.shape[2], -1).contiguous()
 
-    x = _layers(model, ids, position_ids, attend)
-    return (head or model.lm_head)(model.model.norm(x)[:, -logits_to_keep:])[0]
+    x = _layers(model, ids, position_ids, attend, plan)
+    hidden = model.model.norm(x)[:, -logits_to_keep:]
+    return (head(hidden) if head else _project(plan, model.lm_head, hidden))[0]
 
 
 @dataclass
@@ -155,9 +168,9 @@ def forward(model, backend, keys: list[torch.Tensor], values: list[torch.Tensor]
     # Every row is a block row: the linear layers take the backend's kernel for a whole block
     # (exact_linear's fp32 kernels on the CPU, plain F.linear in bf16), or all take its draft
     # rows' kernel where that is cheaper (`plain-packed`: packed weights).
-    with backend.rows(n if backend.engine_block else 0, n):
-        x = _layers(model, to_dev(torch.tensor([ids])), to_dev(torch.tensor([positions])), attend)
-        return model.lm_head(model.model.norm(x[:, to_dev(torch.tensor(wanted))]))[0]
+    plan = backend.plan(n if backend.engine_block else 0, n)
+    x = _layers(model, to_dev(torch.tensor([ids])), to_dev(torch.tensor([positions])), attend, plan)
+    return _project(plan, model.lm_head, model.model.norm(x[:, to_dev(torch.tensor(wanted))]))[0]
 
 
 @dataclass

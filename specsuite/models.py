@@ -254,16 +254,13 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
 
 
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype | None = None,
-               device: str | None = None, exact: bool = True, backend: str = "auto"):
-    """Load (model, tokenizer) for a preset or local directory, in eval mode. exact: with the
-    attention and linear layers that make verification round as one-token decoding does.
-    backend: how `generate()` computes forwards (`core.backend`): "auto" (chosen at first use),
-    "exact" or "plain"."""
+               device: str | None = None, backend: str = "auto"):
+    """Load (model, tokenizer) for a preset or local directory, in eval mode, with sdpa attention
+    (what core/forward.py computes). backend: how `generate()` computes forwards (`core.backend`):
+    "auto" (chosen at first use), "exact" or "plain"."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specsuite.core import exact_linear
     from specsuite.core.backend import KINDS, use_backend
-    from specsuite.core.exact_attention import NAME as EXACT_ATTENTION
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -273,15 +270,12 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(KINDS)}")
     path = resolve_model_path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
-    # Exact attention and linear layers make multi-token verification round like one-token decoding
-    # (exact_attention.py, exact_linear.py); for one-token forwards and for HF's own generate()
-    # they are plain sdpa and F.linear.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(),
-                                                 attn_implementation=EXACT_ATTENTION if exact else None)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(), attn_implementation="sdpa")
+    except ValueError:  # an architecture without sdpa: its own attention, the plain backend
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype())
     if device:
         model = model.to(device)
-    if exact:
-        exact_linear.install(model)
     model.eval()
     model.name_or_preset = str(name_or_path)
     if backend != "auto":

@@ -17,7 +17,7 @@ import torch
 
 from specsuite.core.backend import EXACT_BF16, FP32_CPU, backend_for, choose_backend, plain_backend, plain_forms
 from specsuite.core.calibration import measure_forward_costs
-from specsuite.core.exact_attention import NAME as EXACT_ATTENTION
+from specsuite.core import forward as llama
 from specsuite.models import DEFAULT_MODEL, load_model
 
 
@@ -25,7 +25,7 @@ def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5)
     """Median seconds of a verify forward of each row count after `context` cached tokens, per
     backend that can run this model: {name: {rows: s}}."""
     backends = [plain_backend(model.dtype)]
-    if model.config._attn_implementation == EXACT_ATTENTION and model.device.type == "cpu":
+    if llama.supports(model) and model.device.type == "cpu":
         exact = choose_backend(model, "exact")  # fp32: with the kernel forms measured for this model
         backends = ([exact] if exact.name in (EXACT_BF16.name, FP32_CPU.name) else []) + plain_forms(model.dtype)
     return measure_forward_costs(model, backends, rows, context, reps)

@@ -8,8 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from specsuite.core import Draft, Drafter, exact_linear, kv
-from specsuite.core.exact_attention import NAME as EXACT
+from specsuite.core import Draft, Drafter, kv
 
 MARKED_FIXTURES = {"smollm2": "real_model", "smollm2_fp32": "real_model", "browser_page": "browser"}
 
@@ -98,7 +97,7 @@ VOCAB = 96
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config}
 
 
-def tiny_model(kind: str = "llama", attn: str = EXACT, seed: int = 0, vocab: int = VOCAB,
+def tiny_model(kind: str = "llama", attn: str = "sdpa", seed: int = 0, vocab: int = VOCAB,
                max_positions: int = 256, init: float = 0.3):
     """A 2-layer, 32-wide random model in fp32. A large initializer_range gives peaked, varied
     next-token distributions (the default 0.02 makes every logit nearly equal)."""
@@ -110,15 +109,13 @@ def tiny_model(kind: str = "llama", attn: str = EXACT, seed: int = 0, vocab: int
     )
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
     assert model.config._attn_implementation == attn
-    if attn == EXACT:  # as load_model does
-        exact_linear.install(model)
     return model
 
 
 _MODELS: dict = {}
 
 
-def model_for(kind: str = "llama", attn: str = EXACT, seed: int = 0, **kw):
+def model_for(kind: str = "llama", attn: str = "sdpa", seed: int = 0, **kw):
     key = (kind, attn, seed, tuple(sorted(kw.items())))
     if key not in _MODELS:
         _MODELS[key] = tiny_model(kind, attn, seed, **kw)

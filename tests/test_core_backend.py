@@ -27,7 +27,7 @@ def test_each_dtype_and_attention_gets_its_kind():
     assert choose_backend(fp32).name == choose_backend(fp32, "exact").name == FP32_CPU.name
     plain = choose_backend(fp32, "plain")
     assert plain.name == "plain" and plain.tie_margin == 1e-3 and plain.lossless_prefix_cache
-    assert choose_backend(tiny_model("llama", "sdpa")).name == "plain"  # no exact forms installed
+    assert choose_backend(tiny_model("llama", "eager")).name == "plain"  # not forward.py's: the model's own forward
     bf16 = tiny_model("llama").to(torch.bfloat16)
     assert choose_backend(bf16, "exact") is EXACT_BF16 and EXACT_BF16.tie_margin == 0
     assert choose_backend(bf16, "plain").tie_margin == PLAIN.tie_margin == 0  # a redo inherits drifted KV

@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from specsuite.core import generate
 from specsuite.core import exact_linear
 from specsuite.core.backend import EXACT_BF16, FP32_CPU, MIN_SHORT_CALL_ROWS, use_backend
-from specsuite.core.exact_attention import NAME as EXACT
 from conftest import hf_greedy, prompts, OracleTreeDrafter
 
 
@@ -74,8 +73,7 @@ def _one_layer_qwen_15b_mlp():
     config = Qwen2Config(vocab_size=512, hidden_size=1536, intermediate_size=8960, num_hidden_layers=1,
                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=EXACT, dtype=torch.bfloat16).eval()
-    exact_linear.install(model)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16).eval()
     return model
 
 
@@ -158,18 +156,15 @@ def test_fp32_rows_are_the_linear_layer_in_padded_column_calls():
 
 
 def test_fp32_forwards_take_the_fast_kernels_and_plain_calls_stay_plain():
-    """In fp32 under block_rows: 2-4 rows as `fp32_rows`, other counts (a one-token step, a
-    prefill, long drafts) on oneDNN with packed weights, all `F.linear`'s values up to rounding;
-    outside block_rows (HF's own generate) bit for bit `F.linear`. The packed weights follow
-    in-place changes of the weight and stay out of copies of the model."""
+    """In fp32 forwards' plans: 2-4 rows as `fp32_rows`, other counts (a one-token step, a
+    prefill, long drafts) on oneDNN with packed weights, all `F.linear`'s values up to rounding.
+    The packed weights follow in-place changes of the weight and stay out of copies of the model."""
     gen = torch.Generator().manual_seed(3)
     layer = torch.nn.Linear(896, 128)
     model = torch.nn.Sequential(layer)
-    exact_linear.install(model)
     for rows, block in ((1, 1), (3, 1), (4, 4), (9, 4), (40, 40)):
         x = torch.randn(1, rows, 896, generator=gen)
-        with FP32_CPU.rows(block, rows):
-            out = layer(x)
+        out = FP32_CPU.plan(block, rows).project(layer, x)
         plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
         torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
         if 2 <= rows <= 4:
@@ -177,29 +172,25 @@ def test_fp32_forwards_take_the_fast_kernels_and_plain_calls_stay_plain():
         elif exact_linear.ONEDNN:
             packed = exact_linear.packed_weight(layer.weight)
             assert torch.equal(out, torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], ""))
-        assert torch.equal(layer(x), plain)  # outside block_rows
     x = torch.randn(1, 9, 896, generator=gen)
     with torch.no_grad():
         layer.weight.mul_(2)
-    with FP32_CPU.rows(9, 9):
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
-                                   rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(FP32_CPU.plan(9, 9).project(layer, x),
+                               torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     twin = copy.deepcopy(model)
     assert torch.equal(twin[0].weight, layer.weight)
 
 
 def test_exact_linear_splits_block_rows_from_draft_rows():
-    """Under block_rows(n, total): the n block rows as one call of their own (a prefill), every
+    """In a plan of (n, total) rows: the n block rows as one call of their own (a prefill), every
     other row as a one-row call; an lm_head that sees only the last rows counts from the end."""
     gen = torch.Generator().manual_seed(1)
     layer = torch.nn.Linear(896, 4864, bias=False).bfloat16()
-    assert exact_linear.install(torch.nn.Sequential(layer)) == 1 and isinstance(layer, exact_linear.ExactLinear)
     x = torch.randn(1, 50, 896, generator=gen).bfloat16()
     alone = torch.cat([torch.nn.functional.linear(x[:, i: i + 1], layer.weight) for i in range(50)], dim=1)
-    with EXACT_BF16.rows(40, 50):
-        out = layer(x)
-        tail = layer(x[:, -11:])  # logits_to_keep=11: the last block row and the draft rows
+    plan = EXACT_BF16.plan(40, 50)
+    out = plan.project(layer, x)
+    tail = plan.project(layer, x[:, -11:])  # logits_to_keep=11: the last block row and the draft rows
     assert torch.equal(out[:, :40], torch.nn.functional.linear(x[:, :40], layer.weight))
     assert torch.equal(out[:, 40:], alone[:, 40:])
     assert torch.equal(tail, alone[:, -11:])
-    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))  # outside: plain

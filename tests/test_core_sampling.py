@@ -28,7 +28,6 @@ from transformers import (
 )
 
 from specsuite.core import Draft, DraftModelDrafter, Drafter, Sampling, generate
-from specsuite.core.exact_attention import NAME as EXACT
 from specsuite.core.verify import verify_sample, warp
 
 steps_mod = importlib.import_module("specsuite.core.sequence")  # where the loop verifies each step
@@ -269,7 +268,7 @@ def tiny_model(seed: int, init: float = 0.4):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          initializer_range=init, tie_word_embeddings=False, bos_token_id=None,
                          eos_token_id=None, pad_token_id=None)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=EXACT, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -211,17 +211,11 @@ def test_resolve_model_path_accepts_a_local_directory(tmp_path):
 
 
 def test_load_model_from_a_local_directory(tmp_path):
-    from specsuite.core.exact_linear import ExactLinear
-
     _save_tiny_model(tmp_path / "tiny", with_tokenizer=True)
     model, tok = load_model(tmp_path / "tiny", dtype="fp32")
     assert model.dtype == torch.float32 and not model.training
-    assert model.config._attn_implementation == "specsuite_exact"
-    assert isinstance(model.lm_head, ExactLinear)
+    assert model.config._attn_implementation == "sdpa" and type(model.lm_head) is torch.nn.Linear
     assert tok("w1 w2")["input_ids"] == [4, 5]
-    plain, _ = load_model(tmp_path / "tiny", dtype=torch.float32, exact=False)
-    assert plain.config._attn_implementation != "specsuite_exact"
-    assert not isinstance(plain.lm_head, ExactLinear)
     with pytest.raises(ValueError, match="unknown dtype"):
         load_model(tmp_path / "tiny", dtype="int3")
 
