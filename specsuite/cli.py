@@ -7,23 +7,29 @@ import importlib
 import os
 import sys
 
-# Each module has `register(subparsers)`, adding its subcommands with `func=` handlers that return an exit code.
-COMMAND_MODULES = ["specsuite.models_cli", "specsuite.bench", "specsuite.bench_ray", "specsuite.step_cost", "specsuite.apps.gec.cli", "specsuite.apps.rag.cli",
-                   "specsuite.apps.server_cli", "specsuite.bench_openai",
-                   "specsuite.apps.eval_cli"]
+# Each command's module has `register(subparsers)`, adding the command with `func=` handlers that
+# return an exit code.
+COMMANDS = {"models": "specsuite.models_cli", "bench": "specsuite.bench", "bench-ray": "specsuite.bench_ray",
+            "step-cost": "specsuite.step_cost", "gec": "specsuite.apps.gec.cli", "rag": "specsuite.apps.rag.cli",
+            "serve": "specsuite.apps.server_cli", "bench-openai": "specsuite.bench_openai",
+            "eval": "specsuite.apps.eval_cli"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; where `argv` names one, of that command only: its module alone
+    is imported, so that a command that refuses its input does so before torch is even loaded."""
     parser = argparse.ArgumentParser(prog="specsuite", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
+    first = next((a for a in argv or [] if not a.startswith("-")), None)
+    for name in [COMMANDS[first]] if first in COMMANDS else COMMANDS.values():
         importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

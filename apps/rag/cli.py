@@ -17,7 +17,7 @@ from specsuite.apps import limits
 from specsuite.models import DEFAULT_MODEL, cache_dir
 from specsuite.retrieval import cli as retrieval_cli
 
-from .qa import DRAFTERS
+from . import DRAFTERS
 
 DEMO_CORPUS = Path(__file__).resolve().parents[2] / "demos" / "corpus"
 DEMO_QUESTION = "Who were the crew of Apollo 11, and what did each of them do?"

@@ -38,7 +38,7 @@ from .prompt import rag_prompt_ids
 if TYPE_CHECKING:
     from specsuite.retrieval import Passage, PassageIndex
 
-DRAFTERS = ("reference", "prompt-lookup", "none")
+from . import DRAFTERS
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 PassageLike = Union["Passage", str]
 Scored = tuple[PassageLike, Union[float, None]]  # a passage and its retrieval score (None: given by the caller)
