@@ -36,6 +36,7 @@ from specsuite.core import Generation, PromptLookupDrafter, Sampling
 from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.generate import context_length
 from specsuite.core.streaming import StreamClosed
+from specsuite import models
 
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_MAX_QUEUE = 64  # requests waiting for a slot of the batch beyond those decoding
@@ -69,10 +70,11 @@ class ChatService:
                  model_name: str | None = None) -> None:
         self.corrector, self.qa, self.tokenizer = corrector, qa, corrector.tokenizer
         self.model = corrector.model
-        self.model_name = model_name or getattr(self.model, "name_or_preset", None) or "specsuite-model"
+        self.model_name = model_name or models.model_name(self.model)
         self.time_budget_s = check_limit(time_budget_s, "the time budget")
         # GEC's instruction is the shared prefix: computed once, copied into each GEC slot.
-        engine = BatchEngine(self.model, batch_size, eos_token_id=corrector.eos, prefix=corrector.instruction)
+        engine = BatchEngine(self.model, batch_size, eos_token_id=corrector.eos, prefix=corrector.instruction,
+                             backend=corrector.backend)
         self.batch = BatchServer(engine)
         qa._server = self.batch  # the RAG UI's requests join the same batch (RagQA with batch_size > 1)
         self.max_requests = batch_size + max_queue
@@ -82,7 +84,7 @@ class ChatService:
     @classmethod
     def from_loaded(cls, model, tokenizer, index=None, batch_size: int = DEFAULT_BATCH_SIZE, **options) -> ChatService:
         corrector = Corrector.from_loaded(model, tokenizer, batch_size=batch_size)
-        qa = RagQA.from_loaded(model, tokenizer, index, batch_size=max(2, batch_size))
+        qa = RagQA.from_loaded(model, tokenizer, index, batch_size=max(2, batch_size), backend=corrector.backend)
         return cls(corrector, qa, batch_size, **options)
 
     @property

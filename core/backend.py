@@ -1,8 +1,10 @@
 """How a loaded model's forwards are computed, and the decoding policy that follows from it.
 
-One `Backend` per model, chosen once (`backend_for`) and kept on the model. Each kind owns its
-forward (`forward`) and its policy: the tie margin of greedy verification, the draft size ladder,
-the draft verified in the prefill, and whether a prefix cache is lossless.
+One `Backend` per loaded model, chosen once (`choose_backend`) by whoever loaded it and passed to
+`generate()` and the engine; nothing is kept on the model. Each kind owns its forward (`forward`),
+the packed copies of the weights its kernel forms run on (`packed`), and its policy: the tie
+margin of greedy verification, the draft size ladder, the draft verified in the prefill, and
+whether a prefix cache is lossless.
 
 - `exact-bf16` (bf16 on the CPU): draft rows round bit for bit as one-token decode steps
   (exact_attention.py, exact_linear.py's `bf16_rows`): no tie guard, output identical to greedy.
@@ -38,8 +40,8 @@ from .calibration import measure_forward_costs
 from .draft import Draft
 from .draft_budget import StepCost, cost_file
 from . import forward as llama
-from .exact_linear import (FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, bf16_rows, drop_packed, fp32_linear, packed_bf16_runs,
-                           packed_rows, short_call_rows)
+from .exact_linear import (FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, PackedWeights, bf16_rows, fp32_linear,
+                           packed_bf16_runs, packed_rows, short_call_rows)
 from .logit_screen import LogitScreen
 from .row_plan import RowPlan
 from .verify import tree_attention_mask
@@ -89,8 +91,11 @@ class Backend:
     steps compute as plain decoding's do. lossless_prefix_cache: a prefix cache leaves the output
     unchanged. exact_attention: with `exact_rows`, the attention rounds draft rows as one-token
     steps too (else one sdpa call). screen: greedy forwards take their logits from this bf16
-    screen of the model's output layer (logit_screen.py; None: from the layer). engine_block: the batched engine computes all rows of its forwards
-    as one block (the prefill's form); False: in the draft rows' form (`plain-packed`: on packed weights).
+    screen of the model's output layer (logit_screen.py; None: from the layer). engine_block: the
+    batched engine computes all rows of its forwards as one block (the prefill's form); False: in
+    the draft rows' form (`plain-packed`: on packed weights). packed: the weights packed for
+    oneDNN that `linear` runs on, this backend's own (`owned`; None in the kinds below, which
+    are templates: their calls would pack the weights every time).
     """
 
     name: str
@@ -105,6 +110,11 @@ class Backend:
     exact_attention: bool = True
     screen: LogitScreen | None = field(default=None, compare=False, repr=False)
     engine_block: bool = True
+    packed: PackedWeights | None = field(default=None, compare=False, repr=False)
+
+    def owned(self) -> Backend:
+        """This backend with packed weights of its own (`packed`), made as its forwards need them."""
+        return replace(self, packed=PackedWeights()) if self.linear is not None else self
 
     @property
     def label(self) -> str:
@@ -114,7 +124,7 @@ class Backend:
     def plan(self, block: int, total: int) -> RowPlan | None:
         """How one forward of `total` rows, whose first `block` run as a prefill does, computes
         them (None: as the model's own forward does)."""
-        return RowPlan(block, total, self.linear, self.exact_attention) if self.exact_rows else None
+        return RowPlan(block, total, self.linear, self.exact_attention, self.packed) if self.exact_rows else None
 
     def forward(self, model, fresh: list[int], cache: DynamicCache, past: int, draft: Draft | None,
                 greedy_margin: float | None = None) -> torch.Tensor:
@@ -200,7 +210,13 @@ def plain_forms(dtype: torch.dtype) -> list[Backend]:
 
 def choose_backend(model, kind: str = "auto") -> Backend:
     """The backend for `model`: kind "exact" (the exact form for its dtype where one exists),
-    "plain", or "auto" (exact where affordable, see the module docstring)."""
+    "plain", or "auto" (exact where affordable, see the module docstring). Choose once per loaded
+    model and pass it on: the measurements it rests on are read from disk, but its packed weights
+    and logit screen are made anew for each backend."""
+    return _choose(model, kind).owned()
+
+
+def _choose(model, kind: str) -> Backend:
     if kind not in KINDS:
         raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
     cpu = model.device.type == "cpu"
@@ -214,26 +230,7 @@ def choose_backend(model, kind: str = "auto") -> Backend:
         return replace(EXACT_BF16, draft_sizes=(rows - 1,)) if MIN_SHORT_CALL_ROWS <= rows < PLAIN_ROWS else EXACT_BF16
     if costs.get(PLAIN_PACKED.name, float("inf")) < costs[PLAIN.name]:
         return PLAIN_PACKED
-    drop_packed(model)  # the copy of the weights packed for the measurement
     return plain_backend(model.dtype)
-
-
-def backend_for(model) -> Backend:
-    """The model's backend: the one set by `use_backend` (or `load_model(backend=...)`), else
-    chosen now by `choose_backend` and kept on the model. A model moved to another dtype or device
-    since gets its backend chosen again (of the same kind)."""
-    kind, made_for, backend = getattr(model, "specsuite_backend", ("auto", None, None))
-    if made_for != (model.dtype, model.device):
-        backend = use_backend(model, kind)
-    return backend
-
-
-def use_backend(model, kind: str) -> Backend:
-    """Set how `model`'s forwards are computed from now on (kind: "auto", "exact" or "plain", see
-    `choose_backend`); returns the backend."""
-    backend = choose_backend(model, kind)
-    model.specsuite_backend = (kind, (model.dtype, model.device), backend)
-    return backend
 
 
 def _measured(model, measure: str, backends: list[Backend], rows: list[int]) -> dict[str, dict[int, float]]:
@@ -247,7 +244,7 @@ def _measured(model, measure: str, backends: list[Backend], rows: list[int]) -> 
     where = next(iter(paths.values()))
     print(f"specsuite: timing {', '.join(paths)} forwards of this model once on this machine"
           + (f" (kept in {where.parent})" if where is not None else ""), file=sys.stderr)
-    costs = measure_forward_costs(model, backends, rows, reps=2)
+    costs = measure_forward_costs(model, [b.owned() for b in backends], rows, reps=2)  # their copies go with them
     for name, per_rows in costs.items():
         StepCost(per_rows).save(paths[name])
     return costs
@@ -266,10 +263,7 @@ def _fp32_form_costs(model) -> dict[str, dict[int, float]]:
 def fp32_forms(model) -> tuple[str, ...]:
     """The fastest fp32 kernel form for each of FP32_ROW_BUCKETS row counts (`_fp32_form_costs`)."""
     costs = _fp32_form_costs(model)
-    forms = tuple(min(FP32_FORMS, key=lambda form: costs[form][rows]) for rows in FP32_ROW_BUCKETS)
-    if "packed" not in forms:
-        drop_packed(model)  # a second copy of the weights
-    return forms
+    return tuple(min(FP32_FORMS, key=lambda form: costs[form][rows]) for rows in FP32_ROW_BUCKETS)
 
 
 def fp32_step_cost(model) -> StepCost:

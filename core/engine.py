@@ -32,6 +32,7 @@ import torch
 from . import forward
 from .calibration import slot_step_cost
 from .draft import Draft
+from .backend import Backend
 from .draft_budget import DraftBudget, StepCost
 from .kv import KVStore, SlotStore
 from .sequence import Generation, Request, Sequence, context_length, eos_token_ids
@@ -48,18 +49,19 @@ class BatchEngine:
 
     batch_size: sequences in flight. store: where their KV lives (default: a `SlotStore` of
     `prefix`, token ids most prompts start with whose KV is computed once and copied into each
-    slot, and `kv_budget_bytes`). cost: the step cost curve of the slots (default: measured once
+    slot, `kv_budget_bytes` and `backend`, how its forwards are computed: default
+    `choose_backend(model)`). cost: the step cost curve of the slots (default: measured once
     per machine and model, `calibration.slot_step_cost`); draft_budget=False turns the cap off
     (every draft whole). eos_token_id None: `eos_token_ids(model, tokenizer)`."""
 
     def __init__(self, model, batch_size: int = 16, *, eos_token_id: int | Iterable[int] | None = None,
                  prefix: list[int] | None = None, kv_budget_bytes: int = 4 << 30,
                  cost: StepCost | None = None, draft_budget: bool = True, store: KVStore | None = None,
-                 tokenizer=None) -> None:
+                 tokenizer=None, backend: Backend | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.batch_size = model, batch_size
-        self.store = SlotStore(model, prefix, kv_budget_bytes) if store is None else store
+        self.store = SlotStore(model, prefix, kv_budget_bytes, backend) if store is None else store
         if eos_token_id is None:
             self.eos = eos_token_ids(model, tokenizer)
         else:

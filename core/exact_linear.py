@@ -16,7 +16,7 @@ run. `_split_sums` shows where a call splits (inputs 2^24, 1, -2^24 in turn: the
 where it is summed apart from the first 2^24). The forms, chosen per weight shape by a check on
 this machine's kernel (`_form`), cheapest first:
 
-- "packed": oneDNN calls on the weights packed once (`packed_weight`, a second copy of them),
+- "packed": oneDNN calls on the weights packed once (`PackedWeights`, a second copy of them),
   where neither a one-row call nor a packed call of 1..PLAIN_ROWS rows splits the sum (every
   projection of Qwen2.5 but the down projections, and the lm_head). Bit for bit a one-row
   `F.linear` at every row count, and cheaper: the plain call repacks the weights on every call.
@@ -46,7 +46,7 @@ So in fp32 every row of generate()'s forwards takes the fastest kernel form for 
 instead (`fp32_linear`), as measured for the model on this machine (`backend.fp32_forms`). On
 an AVX2-only CPU (no bf16 hardware, so fp32 is the default dtype) torch's own fp32 `F.linear` is
 MKL's, which packs the weights on every call: a 2-row call costs twice a one-row one. oneDNN with
-weights packed once (`packed_weight`, a second copy of the weights) cost ~10% less for one row,
+weights packed once (`PackedWeights`, a second copy of the weights) cost ~10% less for one row,
 ~25% less for 16-85 rows (a prefill); for 2-4 rows `weight @ x.T` of 2 or 4 columns was cheaper
 still, about a one-row step (`specsuite step-cost`). On an AMX CPU the same forms rank otherwise.
 """
@@ -65,15 +65,15 @@ PLAIN_ROWS = 32
 PAD_WIDTHS = (33, 64, 96, 128, 192, 256)  # the padded widths `_form` tries, narrowest (cheapest) first
 
 
-def bf16_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int) -> torch.Tensor:
+def bf16_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int, packed: PackedWeights | None = None) -> torch.Tensor:
     """x (1, rows, in) -> (1, rows, out): the first `block` rows as one call (a prefill), the
-    others each rounded as a one-row call (`one_row_rounding`)."""
+    others each rounded as a one-row call (`one_row_rounding`, on `packed`'s weights)."""
     if x.shape[1] > 1 and block >= x.shape[1]:  # a prefill without draft rows
         return F.linear(x, layer.weight, layer.bias)
     if block <= 1:  # a one-token step, or a lone root token: a decode step like the draft rows
-        return one_row_rounding(x[0], layer.weight, layer.bias)[None]
+        return one_row_rounding(x[0], layer.weight, layer.bias, packed)[None]
     return torch.cat([F.linear(x[:, :block], layer.weight, layer.bias),
-                      one_row_rounding(x[0, block:], layer.weight, layer.bias)[None]], dim=1)
+                      one_row_rounding(x[0, block:], layer.weight, layer.bias, packed)[None]], dim=1)
 
 
 # The fp32 kernel forms: torch's `F.linear`, `weight @ x.T` in padded column calls (`fp32_rows`),
@@ -86,7 +86,7 @@ FP32_ROW_BUCKETS = (1, 2, 4, 8, 16, 32)  # a forward of r rows takes the form of
 FP32_DEFAULT_FORMS = ("packed", "columns", "columns", "packed", "packed", "packed")
 
 
-def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int,
+def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int, packed: PackedWeights | None = None,
                 forms: tuple[str, ...] = FP32_DEFAULT_FORMS) -> torch.Tensor:
     """x (1, rows, in) -> (1, rows, out) in the form `forms` names for the row count (one per
     FP32_ROW_BUCKETS). Without oneDNN, "packed" is `F.linear` for one row or a prefill and
@@ -98,13 +98,12 @@ def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int,
     if form == "columns":
         return fp32_rows(x[0], layer.weight, layer.bias)[None]
     if form == "packed":
-        return _packed_call(x, layer.weight, layer.bias)
+        return _packed_call(x, layer.weight, layer.bias, packed)
     return F.linear(x, layer.weight, layer.bias)
 
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 PACK_ROWS = 32  # the row count oneDNN lays the packed weights out for (any count runs on them)
-_packed: dict[int, tuple] = {}  # id(weight) -> (its version, packed); dropped with the weight
 
 
 def weight_state(weight: torch.Tensor) -> tuple:
@@ -114,35 +113,44 @@ def weight_state(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), version, weight.dtype
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` packed for oneDNN, made on first use and again whenever the weight changes.
-    Kept outside the module, so that copying or saving the model never meets the opaque tensor."""
-    key = weight_state(weight)
-    entry = _packed.get(id(weight))
-    if entry is None or entry[0] != key:
-        if entry is None:
-            weakref.finalize(weight, _packed.pop, id(weight), None)
-        entry = _packed[id(weight)] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
-    return entry[1]
+class PackedWeights:
+    """Weights packed for oneDNN (a second copy of each), made on first use and again whenever a
+    weight changes. A backend owns one (backend.py) and hands it down each forward in its
+    `RowPlan`: the copies live as long as the backend, outside the model, so that copying or
+    saving the model never meets the opaque tensors."""
+
+    def __init__(self) -> None:
+        self._by_weight: dict[int, tuple] = {}  # id(weight) -> (weight_state, packed); dropped with the weight
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        key = weight_state(weight)
+        entry = self._by_weight.get(id(weight))
+        if entry is None or entry[0] != key:
+            if entry is None:
+                weakref.finalize(weight, self._by_weight.pop, id(weight), None)
+            entry = self._by_weight[id(weight)] = (key, _pack(weight))
+        return entry[1]
+
+    def __len__(self) -> int:
+        return len(self._by_weight)
 
 
-def drop_packed(model: torch.nn.Module) -> None:
-    """Free the packed weights of `model`'s layers (after a measurement chose other forms)."""
-    for weight in model.parameters():
-        _packed.pop(id(weight), None)
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
 
-def one_row_rounding(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def one_row_rounding(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     packed: PackedWeights | None = None) -> torch.Tensor:
     """x (m, in) -> (m, out): `F.linear` of each row alone, bit for bit, in as few calls as the
-    kernel allows (`_form`)."""
+    kernel allows (`_form`); oneDNN calls on `packed`'s weights (None: packed for this call)."""
     form = _form(*weight.shape, bias is not None)
     if x.shape[0] == 1 and form.kind != "packed":  # the call of a decode step itself
-        return _one_row_call(x, weight, bias)
+        return _one_row_call(x, weight, bias, packed)
     if x.shape[0] <= form.short:
         return _column_major_call(x, weight, bias)
     if form.kind == "rows":
         return torch.cat([F.linear(x[i: i + 1], weight, bias) for i in range(x.shape[0])])
-    return _in_calls(x, weight, bias, form)
+    return _in_calls(x, weight, bias, form, packed)
 
 
 def short_call_rows(model: torch.nn.Module) -> int:
@@ -156,7 +164,7 @@ def short_call_rows(model: torch.nn.Module) -> int:
 
 class _Form(NamedTuple):
     """How `one_row_rounding` computes a weight's rows: "packed" (oneDNN calls of at most
-    PLAIN_ROWS rows on the weights packed once, `packed_weight`), "plain" (`F.linear` in such
+    PLAIN_ROWS rows on the weights packed once, `PackedWeights`), "plain" (`F.linear` in such
     calls), "padded" (`weight @ x.T` in calls of exactly `width` columns, zero-padded) or "rows"
     (one call per row); calls of 2..`short` rows take `_column_major_call` instead."""
 
@@ -165,42 +173,47 @@ class _Form(NamedTuple):
     short: int = 0
 
 
-def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: _Form) -> torch.Tensor:
+def _in_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: _Form,
+              packed: PackedWeights | None = None) -> torch.Tensor:
     """x (m, in) -> (m, out) in `form` ("packed", "plain" or "padded")."""
     if form.kind == "padded":
         return _transposed_calls(x, weight, bias, lambda rows: form.width, form.width)
-    call = _packed_call if form.kind == "packed" else F.linear
+    call = functools.partial(_packed_call, packed=packed) if form.kind == "packed" else F.linear
     if x.shape[0] <= PLAIN_ROWS:
         return call(x, weight, bias)
     return torch.cat([call(rows, weight, bias) for rows in x.split(PLAIN_ROWS)])
 
 
-def _packed_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
+def _packed_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed: PackedWeights | None = None) -> torch.Tensor:
+    """A oneDNN call on `packed`'s copy of `weight` (None: packed for this call alone, as the
+    kernel checks do with their random weights)."""
+    return torch.ops.mkldnn._linear_pointwise(x, _pack(weight) if packed is None else packed(weight), bias, "none", [], "")
 
 
-def packed_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int) -> torch.Tensor:
+def packed_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int, packed: PackedWeights | None = None) -> torch.Tensor:
     """x (1, rows, in) -> (1, rows, out) for the `plain-packed` backend: the first `block` rows (a
     prefill) as one `F.linear` call, as plain decoding prefills; every other row on the weights
-    packed once (`packed_weight`), which skips the repacking of every plain call. A one-row step
+    packed once (`packed`), which skips the repacking of every plain call. A one-row step
     then rounds as plain decoding's (`_one_row_call`); draft rows round as neither, like the
     multi-row calls of plain verification."""
     weight, bias = layer.weight, layer.bias
     if x.shape[1] > 1 and block >= x.shape[1]:  # a prefill without draft rows
         return F.linear(x, weight, bias)
     if x.shape[1] == 1:
-        return _one_row_call(x, weight, bias)
+        return _one_row_call(x, weight, bias, packed)
     if block <= 1:  # a root token and its draft
-        return _packed_call(x, weight, bias)
-    return torch.cat([F.linear(x[:, :block], weight, bias), _packed_call(x[:, block:], weight, bias)], dim=1)
+        return _packed_call(x, weight, bias, packed)
+    return torch.cat([F.linear(x[:, :block], weight, bias), _packed_call(x[:, block:], weight, bias, packed)], dim=1)
 
 
-def _one_row_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _one_row_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  packed: PackedWeights | None = None) -> torch.Tensor:
     """A one-row `F.linear` (a decode step's call), bit for bit, on the packed weights where they
     round it alike (`packed_one_row_is_plain`): about half the time of the plain call, which
     repacks the weights (Qwen2.5-1.5B's gate projection on the Zen 5 CPU: 0.38 ms against 0.87)."""
     if packed_one_row_is_plain(*weight.shape, bias is not None):
-        return _packed_call(x, weight, bias)
+        return _packed_call(x, weight, bias, packed)
     return F.linear(x, weight, bias)
 
 
@@ -287,12 +300,14 @@ def _form(out_features: int, in_features: int, bias: bool) -> _Form:
     every_count = range(1, PLAIN_ROWS + 1)  # every row count a packed call may take
     one_row = _split_sums(F.linear, out_features, in_features, [1])[0]  # where a decode step's call splits the sum
     if (packed_bf16_runs() and not one_row
-            and not any(_split_sums(_packed_call, out_features, in_features, every_count))):
+            and not any(_split_sums(functools.partial(_packed_call, packed=PackedWeights()), out_features, in_features,
+                                    every_count))):
         forms.insert(0, _Form("packed"))
     for form in forms:
         # else the row counts at which some forms were seen to round otherwise (module docstring)
         counts = every_count if form.kind == "packed" else (2, 9, 17, 32)
-        if all(torch.equal(_in_calls(x[:m], weight, b, form), alone[:m]) for m in (*counts, x.shape[0])):
+        packed = PackedWeights()  # the random weight packed once for all the counts
+        if all(torch.equal(_in_calls(x[:m], weight, b, form, packed), alone[:m]) for m in (*counts, x.shape[0])):
             break
     else:
         form = _Form("rows")
@@ -339,7 +354,7 @@ def _split_sums(call: Callable, out_features: int, in_features: int, counts: Seq
     for one sum), as the kernel may split it (by threads or cache blocks) according to the call's
     shape. Each output feature probes one position p on inputs of ones: weights 2^24 at p - 32, 1
     at p, -2^24 at p + 32; the 1 survives only where the sum that holds it does not hold the 2^24
-    before it. One probe weight for all counts (packed once, where `call` packs it)."""
+    before it. One probe weight for all counts (packed once where `call` keeps a `PackedWeights`)."""
     positions = list(range(32, in_features - 32, 32))[:out_features]
     if not positions:
         return [[] for _ in counts]

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .backend import backend_for
+from .backend import Backend, choose_backend
 from .draft import Drafter
 from .engine import BatchEngine
 from .kv import CacheStore
@@ -45,13 +45,16 @@ def generate(
     tie_margin: float | None = None,
     draft_sizes: Sequence[int] | None = None,
     prefill_draft: int | None = None,
+    backend: Backend | None = None,
 ) -> Generation:
     """Decode from `prompt` (token ids, or a (1, T) tensor) with draft-then-verify.
 
     drafter: proposes drafts (None: plain decoding). sampling: None for greedy (exact), else
     lossless speculative sampling with `generator` as the source of randomness. stop_strings need
     `tokenizer`. prefix_cache: an optional `PrefixCache` that reuses the KV of a shared prompt prefix.
-    The model's backend (`backend_for`) computes the forwards and sets the defaults of:
+    backend: how the forwards are computed (`core/backend.py`): choose it once per loaded model
+    with `choose_backend(model)` and pass it to every call (None: chosen for this call, which
+    packs a copy of the weights anew). It sets the defaults of:
     tie_margin (greedy only; rows whose top two logits are closer are recomputed as plain decoding
     does), draft_sizes (a ladder of caps on draft nodes, see `SizeLadder`; () for none; where the
     backend measured its step costs and draft_sizes is not given, drafts are capped by
@@ -68,7 +71,7 @@ def generate(
         raise ValueError(f"tie_margin must be >= 0, got {tie_margin}")
     if stop_strings and tokenizer is None:
         raise ValueError("stop_strings need the tokenizer")
-    backend = backend_for(model)
+    backend = backend or choose_backend(model)
     request = Request(list(prompt), drafter, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator,
                       on_step=on_step, stop_strings=tuple(stop_strings), tokenizer=tokenizer,
                       tie_margin=backend.tie_margin if tie_margin is None else tie_margin,

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from . import forward as packed
-from .backend import Backend, backend_for, plain_backend
+from .backend import Backend, choose_backend, plain_backend
 from .draft import Draft
 from .sequence import Sequence
 
@@ -62,7 +62,7 @@ class SlotStore:
     positions; a rejected draft is simply overwritten by the next step (as gpt-fast does).
     prefix: token ids most prompts start with, whose KV is computed once and copied into each slot.
     kv_budget_bytes: sequences wait for a slot rather than grow the cache beyond this. backend: how
-    the forwards are computed (default: the model's, `backend_for`), chosen once here."""
+    the forwards are computed (default: `choose_backend(model)`, chosen once here)."""
 
     name = "batch"  # what `GenerationStats.backend` reports
     plain_steps = False  # no row is computed as plain one-token decoding computes it
@@ -73,7 +73,7 @@ class SlotStore:
             raise ValueError(f"the batched engine runs Llama-family decoders with full attention, not "
                              f"{model.config.model_type!r} ({model.config._attn_implementation})")
         self.model, self.kv_budget_bytes = model, kv_budget_bytes
-        self.backend = backend or backend_for(model)
+        self.backend = backend or choose_backend(model)
         config = model.config
         self.layers = model.model.layers[: config.num_hidden_layers]
         self.kv_heads = config.num_key_value_heads

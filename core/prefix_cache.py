@@ -20,8 +20,6 @@ from collections import OrderedDict
 import torch
 from transformers import DynamicCache
 
-from .backend import backend_for
-
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
@@ -29,12 +27,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def lossless_by_default(model) -> bool:
-    """Whether apps turn a prefix cache on by default for this model: where its backend keeps the
-    output identical to uncached decoding (fp32, see the module docstring), not in bf16 or fp16."""
-    return backend_for(model).lossless_prefix_cache
 
 
 class PrefixCache:

@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from specsuite.core import Drafter, DraftModelDrafter, PromptLookupDrafter, eos_token_ids, generate, turn_end_token
-from specsuite.core.backend import backend_for
+from specsuite.core.backend import Backend, choose_backend
 from specsuite.core.draft import FallbackDrafter
 from specsuite.core.chat import chat_prompt_ids
 from specsuite.models import DEFAULT_MODEL, load_model
@@ -86,10 +86,10 @@ def _rag_examples(path: Path, n: int, tok, end: list[int]) -> list[Example]:
 TASKS = {"gec": _gec_examples, "rag": _rag_examples, "summarize": _summarize_examples}
 
 
-def _gec_prefix_cache(model):
+def _gec_prefix_cache(model, backend: Backend):
     from specsuite.apps.gec.prompt import instruction_cache
 
-    return instruction_cache(model)
+    return instruction_cache(model, backend)
 
 
 # Our methods use the prefix cache the app uses (the same for every prompt of the run); HF's do not
@@ -115,21 +115,17 @@ class _FirstTokenClock(BaseStreamer):
 
 
 class _ForwardCounter:
-    """Counts forward passes of a model by wrapping its `forward`, until `remove()`."""
+    """Counts forward passes of a model (a forward hook), until `remove()`."""
 
     def __init__(self, model) -> None:
-        self.count, self._model, self._forward = 0, model, model.forward
+        self.count = 0
+        self._hook = model.register_forward_pre_hook(self._counted)
 
-        def counted(*args, **kwargs):
-            self.count += 1
-            return self._forward(*args, **kwargs)
-
-        model.forward = counted
+    def _counted(self, module, args) -> None:
+        self.count += 1
 
     def remove(self) -> None:
-        """Give the model its own `forward` back (a wrapper left behind would be copied along
-        with the model, e.g. by `copy.deepcopy`, and keep calling this model)."""
-        del self._model.forward
+        self._hook.remove()
 
 
 def _hf_run(model, counter, ids: list[int], config: GenerationConfig, assistant=None) -> Run:
@@ -142,10 +138,10 @@ def _hf_run(model, counter, ids: list[int], config: GenerationConfig, assistant=
     return Run(out[0, len(ids):].tolist(), end - start, (clock.first or end) - start, counter.count)
 
 
-def _spec_run(model, ids: list[int], drafter: Drafter, max_new_tokens: int, eos: list[int],
+def _spec_run(model, backend: Backend, ids: list[int], drafter: Drafter, max_new_tokens: int, eos: list[int],
               tie_margin: float | None = None, prefix_cache=None) -> Run:
     g = generate(model, ids, drafter, max_new_tokens=max_new_tokens, eos_token_id=eos, tie_margin=tie_margin,
-                 prefix_cache=prefix_cache)
+                 prefix_cache=prefix_cache, backend=backend)
     return Run(g.tokens, g.stats.total_s, g.stats.prefill_s, g.stats.forward_passes)
 
 
@@ -179,7 +175,8 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     tie_margin: passed to our methods' `generate` (None: its default). prefix_cache: our methods
     reuse the KV of the prompts' shared start as the app does (`PREFIX_CACHES`; False: never).
     backend: how our methods compute forwards (`core.backend`: auto, exact or plain)."""
-    model, tok = load_model(model_name, dtype=dtype, backend=backend)
+    model, tok = load_model(model_name, dtype=dtype)
+    backend = choose_backend(model, backend)  # once, for every call of our methods
     draft_model = load_model(draft_model_name, dtype=dtype)[0] if draft_model_name else None
     eos = sorted(eos_token_ids(model, tok))
     examples = TASKS[task](data, n, tok, [turn_end_token(model, tok)])
@@ -188,10 +185,10 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     base = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
                 temperature=None, top_p=None, top_k=None)
     counter = _ForwardCounter(model)
-    prefix_cache = PREFIX_CACHES[task](model) if prefix_cache and task in PREFIX_CACHES else None
+    prefix_cache = PREFIX_CACHES[task](model, backend) if prefix_cache and task in PREFIX_CACHES else None
 
     def spec(e: Example, drafter: Drafter) -> Run:
-        return _spec_run(model, e.prompt_ids, drafter, max_new_tokens, eos, tie_margin, prefix_cache)
+        return _spec_run(model, backend, e.prompt_ids, drafter, max_new_tokens, eos, tie_margin, prefix_cache)
 
     runners: dict[str, Callable[[Example], Run]] = {
         "hf_greedy": lambda e: _hf_run(model, counter, e.prompt_ids, GenerationConfig(**base)),
@@ -227,7 +224,7 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     report = {
         "task": task, "model": model_name, "n": len(examples), "max_new_tokens": max_new_tokens,
         "dtype": str(model.dtype).replace("torch.", ""), "draft_model": draft_model_name,
-        "torch_threads": torch.get_num_threads(), "tie_margin": tie_margin, "backend": backend_for(model).label,
+        "torch_threads": torch.get_num_threads(), "tie_margin": tie_margin, "backend": backend.label,
         "spec_prefix_cache": prefix_cache is not None,  # our methods reuse the KV of a shared prompt start
         "methods": {name: _summarize(runs[name], runs["hf_greedy"], examples, tok) for name in names},
     }

@@ -34,6 +34,7 @@ from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache, instruc
 from specsuite.bench import rotated
 from specsuite.core import eos_token_ids, generate, turn_end_token
 from specsuite.core.engine import BatchEngine, Request
+from specsuite.core.backend import choose_backend
 from specsuite.models import load_model
 
 WARMUP = 4  # sentences each method decodes before it is timed
@@ -68,15 +69,16 @@ def run_gec_batch(model_name: str, data: Path, n: int, batch_sizes: list[int], m
     if not sources:
         raise ValueError(f"no sentences in {data}")
     prompts = [gec_prompt_ids(tok, s) for s in sources]
-    engine = BatchEngine(model, DEFAULT_BATCH_SIZE, eos_token_id=eos, prefix=instruction_ids(tok))
-    cache = instruction_cache(model)
+    backend = choose_backend(model)
+    engine = BatchEngine(model, DEFAULT_BATCH_SIZE, eos_token_id=eos, prefix=instruction_ids(tok), backend=backend)
+    cache = instruction_cache(model, backend)
 
     def copy_drafter(s: str) -> CopyDrafter:
         return CopyDrafter.for_text(tok, s, end_tokens=end)
 
     def spec_copy(idx: list[int]) -> list[list[int]]:
         return [generate(model, prompts[i], copy_drafter(sources[i]), max_new_tokens=max_new_tokens,
-                         eos_token_id=eos, prefix_cache=cache).tokens for i in idx]
+                         eos_token_id=eos, prefix_cache=cache, backend=backend).tokens for i in idx]
 
     def spec_batch(batch_size: int) -> Callable[[list[int]], list[list[int]]]:
         def run(idx: list[int]) -> list[list[int]]:
@@ -86,7 +88,7 @@ def run_gec_batch(model_name: str, data: Path, n: int, batch_sizes: list[int], m
             return [out[k].tokens for k in range(len(idx))]
         return run
 
-    corrector = Corrector.from_loaded(model, tok, max_new_tokens=max_new_tokens)
+    corrector = Corrector.from_loaded(model, tok, max_new_tokens=max_new_tokens, backend=backend)
 
     def gec_job(idx: list[int]) -> list[list[int]]:
         with tempfile.TemporaryDirectory() as tmp:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from specsuite.bench import rotated
+from specsuite.core.backend import choose_backend
 from specsuite.models import DEFAULT_EMBEDDING_MODEL, load_model
 
 
@@ -52,8 +53,10 @@ def run_rag_serve(model_name: str, data: Path, n: int = 4, k: int = 5, max_new_t
     index = PassageIndex(Embedder(DEFAULT_EMBEDDING_MODEL))
     index.add_passages(passages)
     model, tok = load_model(model_name, dtype=dtype)
-    apps = {"one_at_a_time": RagQA.from_loaded(model, tok, index, max_new_tokens=max_new_tokens, prefix_cache_bytes=0),
-            "batched": RagQA.from_loaded(model, tok, index, max_new_tokens=max_new_tokens, batch_size=n)}
+    backend = choose_backend(model)
+    apps = {"one_at_a_time": RagQA.from_loaded(model, tok, index, max_new_tokens=max_new_tokens, prefix_cache_bytes=0,
+                                               backend=backend),
+            "batched": RagQA.from_loaded(model, tok, index, max_new_tokens=max_new_tokens, batch_size=n, backend=backend)}
     report: dict = {"task": "rag-serve", "model": model_name, "n": n, "k": k, "max_new_tokens": max_new_tokens,
                     "dtype": str(model.dtype).replace("torch.", ""), "torch_threads": torch.get_num_threads(),
                     "rounds": rounds, "apps": {}}

@@ -259,21 +259,17 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float3
 
 
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype | None = None,
-               device: str | None = None, backend: str = "auto"):
+               device: str | None = None):
     """Load (model, tokenizer) for a preset or local directory, in eval mode, with sdpa attention
-    (what core/forward.py computes). backend: how `generate()` computes forwards (`core.backend`):
-    "auto" (chosen at first use), "exact" or "plain"."""
+    (what core/forward.py computes). How its forwards are computed is chosen apart, once, by
+    `core.backend.choose_backend(model)`, and passed to `generate()` and the engine."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from specsuite.core.backend import KINDS, use_backend
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         dtype = getattr(torch, DTYPES[dtype])
-    if backend not in KINDS:
-        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(KINDS)}")
     path = resolve_model_path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     try:
@@ -283,10 +279,14 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
     if device:
         model = model.to(device)
     model.eval()
-    model.name_or_preset = str(name_or_path)
-    if backend != "auto":
-        use_backend(model, backend)
     return model, tok
+
+
+def model_name(model) -> str:
+    """What a loaded model is called in reports: its preset's name where it was loaded from the
+    presets' cache, else the directory it was loaded from."""
+    path = Path(model.config.name_or_path)
+    return path.name if path.name in PRESETS and path.parent == cache_dir() / "models" else str(path)
 
 
 def embedding_model_path(name_or_path: str | os.PathLike = DEFAULT_EMBEDDING_MODEL) -> Path:

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from specsuite.core.backend import EXACT_BF16, FP32_CPU, backend_for, choose_backend, plain_backend, plain_forms
+from specsuite.core.backend import EXACT_BF16, FP32_CPU, choose_backend, plain_backend, plain_forms
 from specsuite.core.calibration import measure_forward_costs
 from specsuite.core import forward as llama
 from specsuite.models import DEFAULT_MODEL, load_model
@@ -27,7 +27,8 @@ def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5)
     backends = [plain_backend(model.dtype)]
     if llama.supports(model) and model.device.type == "cpu":
         exact = choose_backend(model, "exact")  # fp32: with the kernel forms measured for this model
-        backends = ([exact] if exact.name in (EXACT_BF16.name, FP32_CPU.name) else []) + plain_forms(model.dtype)
+        backends = ([exact] if exact.name in (EXACT_BF16.name, FP32_CPU.name) else []) + [
+            b.owned() for b in plain_forms(model.dtype)]
     return measure_forward_costs(model, backends, rows, context, reps)
 
 
@@ -51,7 +52,7 @@ def _cmd(args: argparse.Namespace) -> int:
     print(f"verify forward cost · {args.model} ({str(model.dtype).replace('torch.', '')}) · "
           f"{args.context} cached tokens · median of {args.reps} · {torch.get_num_threads()} threads")
     print(format_costs(costs))
-    print(f"generate() runs the {backend_for(model).label!r} backend for this model here")
+    print(f"the apps run the {choose_backend(model).label!r} backend for this model here (choose_backend)")
     return 0
 
 

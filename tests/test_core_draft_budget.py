@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specsuite.core import generate
-from specsuite.core.backend import backend_for, choose_backend
+from specsuite.core.backend import choose_backend
 from specsuite.core.draft_budget import DraftBudget, GoodputCap, StepCost
 from specsuite.core.exact_linear import FP32_ROW_BUCKETS
 from conftest import tiny_model, model_for, hf_greedy, prompts, OracleTreeDrafter
@@ -16,7 +16,7 @@ def test_fp32_drafts_are_capped_by_their_expected_goodput():
     model: the output stays greedy's. Given draft_sizes, they climb that ladder instead (3 nodes,
     then 7, 15, 31 while accepted whole); draft_sizes=() verifies every node the drafter proposes."""
     model = model_for("llama")
-    backend = backend_for(model)
+    backend = choose_backend(model)
     assert isinstance(backend.draft_cost, StepCost) and backend.draft_cost.rows == list(FP32_ROW_BUCKETS)
     p = prompts(1, seed=3)[0]
     truth = hf_greedy(model, p, 60)

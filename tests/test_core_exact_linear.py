@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from specsuite.core import generate
 from specsuite.core import exact_linear
-from specsuite.core.backend import EXACT_BF16, FP32_CPU, MIN_SHORT_CALL_ROWS, use_backend
+from specsuite.core.backend import EXACT_BF16, FP32_CPU, MIN_SHORT_CALL_ROWS, choose_backend
 from conftest import hf_greedy, prompts, OracleTreeDrafter
 
 
@@ -84,12 +84,13 @@ def test_exact_bf16_drafts_fit_the_short_calls_of_a_wide_down_projection():
     model = _one_layer_qwen_15b_mlp()
     rows = exact_linear.short_call_rows(model)
     assert 2 <= rows <= exact_linear.PLAIN_ROWS
-    cap = use_backend(model, "exact").draft_sizes
+    exact = choose_backend(model, "exact")
+    cap = exact.draft_sizes
     assert cap == ((rows - 1,) if MIN_SHORT_CALL_ROWS <= rows < exact_linear.PLAIN_ROWS else (31,))
     for i, p in enumerate(prompts(3, seed=21, vocab=512, lengths=(5, 40))):
         truth = hf_greedy(model, p, 40)
         out = generate(model, p, OracleTreeDrafter(p, truth, seed=i, vocab=512, depth=(4, 24)), max_new_tokens=30,
-                       eos_token_id=[])
+                       eos_token_id=[], backend=exact)
         assert out.tokens == truth[:30], f"prompt {i}"
         assert max(out.stats.drafted) <= cap[0]
 
@@ -99,7 +100,7 @@ def test_the_amx_kernel_caps_drafts_at_the_short_calls_of_qwen_15b_down_projecti
     """Where this was found: Qwen2.5-1.5B's down projection rounds as one-row calls column-major up
     to 15 rows, so exact-bf16 drafts are capped at 14 nodes."""
     model = _one_layer_qwen_15b_mlp()
-    assert exact_linear.short_call_rows(model) == 15 and use_backend(model, "exact").draft_sizes == (14,)
+    assert exact_linear.short_call_rows(model) == 15 and choose_backend(model, "exact").draft_sizes == (14,)
 
 
 def test_split_sums_finds_where_a_matmul_sums_its_input_apart():
@@ -121,7 +122,7 @@ def test_split_sums_finds_where_a_matmul_sums_its_input_apart():
 def test_exact_linear_does_without_packed_calls_where_onednn_refuses_them(monkeypatch):
     """On a CPU without avx512 torch refuses bf16 oneDNN calls on packed weights: the forms then
     do without them, and rows still round as one-row calls."""
-    def refused(x, weight, bias):
+    def refused(x, weight, bias, packed=None):
         raise RuntimeError("mkldnn_linear: bf16 path needs the cpu support avx_ne_convert or avx512bw")
 
     monkeypatch.setattr(exact_linear, "_packed_call", refused)
@@ -158,24 +159,26 @@ def test_fp32_rows_are_the_linear_layer_in_padded_column_calls():
 def test_fp32_forwards_take_the_fast_kernels_and_plain_calls_stay_plain():
     """In fp32 forwards' plans: 2-4 rows as `fp32_rows`, other counts (a one-token step, a
     prefill, long drafts) on oneDNN with packed weights, all `F.linear`'s values up to rounding.
-    The packed weights follow in-place changes of the weight and stay out of copies of the model."""
+    The packed weights (the backend's own) follow in-place changes of the weight and stay out of
+    copies of the model."""
     gen = torch.Generator().manual_seed(3)
     layer = torch.nn.Linear(896, 128)
     model = torch.nn.Sequential(layer)
+    backend = FP32_CPU.owned()
     for rows, block in ((1, 1), (3, 1), (4, 4), (9, 4), (40, 40)):
         x = torch.randn(1, rows, 896, generator=gen)
-        out = FP32_CPU.plan(block, rows).project(layer, x)
+        out = backend.plan(block, rows).project(layer, x)
         plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
         torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
         if 2 <= rows <= 4:
             assert torch.equal(out[0], exact_linear.fp32_rows(x[0], layer.weight, layer.bias))
         elif exact_linear.ONEDNN:
-            packed = exact_linear.packed_weight(layer.weight)
+            packed = backend.packed(layer.weight)
             assert torch.equal(out, torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], ""))
     x = torch.randn(1, 9, 896, generator=gen)
     with torch.no_grad():
         layer.weight.mul_(2)
-    torch.testing.assert_close(FP32_CPU.plan(9, 9).project(layer, x),
+    torch.testing.assert_close(backend.plan(9, 9).project(layer, x),
                                torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     twin = copy.deepcopy(model)
     assert torch.equal(twin[0].weight, layer.weight)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specsuite.core import Draft, DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter, generate
-from specsuite.core.backend import EXACT_BF16, backend_for, choose_backend, use_backend
+from specsuite.core.backend import EXACT_BF16, choose_backend
 from conftest import VOCAB, tiny_model, model_for, hf_greedy, prompts, OracleTreeDrafter
 
 
@@ -18,7 +18,7 @@ def test_fp32_prefill_verifies_a_draft_too():
     """In fp32 on the CPU the prefill's forward also verifies a draft of up to 16 nodes: the output
     stays greedy's with fewer forward passes. In bf16 the prefill drafts nothing by default."""
     model = model_for("llama")
-    assert backend_for(model).prefill_draft == 16
+    assert choose_backend(model).prefill_draft == 16
     for i, p in enumerate(prompts(6, seed=14, lengths=(2, 40))):
         truth = hf_greedy(model, p, 30)
         runs = {k: generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=25, eos_token_id=[],
@@ -283,11 +283,12 @@ def test_oracle_token_trees_equal_hf_greedy_in_bf16(kind, keep_path_spy):
     """The same in bf16, where draft rows run grouped (a tiny model's matmuls round alike for one
     row and many, so this isolates the attention)."""
     model = tiny_model(kind, max_positions=512).to(torch.bfloat16)
-    assert use_backend(model, "exact") is EXACT_BF16  # the exact forms, whatever they cost here
+    exact = choose_backend(model, "exact")  # the exact forms, whatever they cost here
+    assert exact == EXACT_BF16 and exact.packed is not None and exact.packed is not choose_backend(model, "exact").packed
     for i, p in enumerate(prompts(12, seed=8, lengths=(1, 200))):
         n = (17, 40, 60)[i % 3]
         truth = hf_greedy(model, p, n + 10)
-        out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=n, eos_token_id=[])
+        out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=n, eos_token_id=[], backend=exact)
         assert out.tokens == truth[:n], f"prompt {i}"
 
 
@@ -325,6 +326,6 @@ def test_fp32_near_ties_of_prefill_and_one_token_steps_are_redone_as_plain_decod
     assert len(out.stats.accepted) == 1 + 2 * 5 and out.stats.prefill_s <= out.stats.total_s
     assert generate(model, p, NoDrafter(), max_new_tokens=6, eos_token_id=[]).tokens == out.tokens
     bf16 = tiny_model("llama").to(torch.bfloat16)
-    use_backend(bf16, "exact")
-    out = generate(bf16, p, NoDrafter(), max_new_tokens=6, eos_token_id=[], tie_margin=1e9)
+    out = generate(bf16, p, NoDrafter(), max_new_tokens=6, eos_token_id=[], tie_margin=1e9,
+                   backend=choose_backend(bf16, "exact"))
     assert out.tokens == hf_greedy(bf16, p, 6) and out.stats.forward_passes == 6

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from specsuite.core.backend import backend_for
+from specsuite.core.backend import choose_backend
 from specsuite.core.draft import Draft
 from specsuite.core.kv import CacheStore, keep_path
 from specsuite.core.sequence import Request, Sequence
@@ -34,11 +34,12 @@ def test_cache_store_keeps_a_tree_path_as_if_only_it_had_been_computed():
     prompt = prompts(1, seed=3)[0] + [7]
     tree = Draft.from_paths([[5, 6, 7], [8, 9], [5, 3]])  # nodes: 5, 6, 7, 8, 9, 3
     path = [0, 5]  # 5 then 3
-    store = CacheStore(model, backend_for(model))
+    backend = choose_backend(model)
+    store = CacheStore(model, backend)
     chain = DynamicCache(config=model.config)
     with torch.inference_mode():
-        backend_for(model).forward(model, prompt, store.cache, 0, tree)
-        backend_for(model).forward(model, prompt, chain, 0, Draft.chain([5, 3]))
+        backend.forward(model, prompt, store.cache, 0, tree)
+        backend.forward(model, prompt, chain, 0, Draft.chain([5, 3]))
         seq = Sequence(0, Request(prompt), eos=set(), context=256)
         seq.length = len(prompt) + len(path)  # as `Sequence.settle` leaves it after accepting `path`
         store.keep(0, seq, len(prompt), path, prefilled=False)

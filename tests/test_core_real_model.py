@@ -20,7 +20,7 @@ from specsuite.core import (
     stream,
 )
 from specsuite.core.chat import chat_prompt_ids
-from specsuite.core.backend import use_backend
+from specsuite.core.backend import choose_backend
 
 pytestmark = pytest.mark.real_model
 
@@ -41,8 +41,8 @@ def lm(request, smollm2_fp32):
     model, tok = smollm2_fp32
     if request.param == "bf16":
         model = copy.deepcopy(model).to(torch.bfloat16)
-        use_backend(model, "exact")  # the exact forms, whatever they cost on this CPU
-    return model, tok, sorted(eos_token_ids(model, tok))
+    # bf16: the exact forms, whatever they cost on this CPU
+    return model, tok, sorted(eos_token_ids(model, tok)), choose_backend(model, "exact")
 
 
 def hf_greedy(model, ids, eos, max_new_tokens=MAX_NEW, **kwargs) -> list[int]:
@@ -56,7 +56,7 @@ def hf_greedy(model, ids, eos, max_new_tokens=MAX_NEW, **kwargs) -> list[int]:
 @pytest.fixture(scope="module")
 def cases(lm):
     """(prompt ids, HF greedy continuation) per prompt, computed once."""
-    model, tok, eos = lm
+    model, tok, eos, _ = lm
     return [(ids, hf_greedy(model, ids, eos)) for ids in (chat_prompt_ids(tok, u, s) for u, s in PROMPTS)]
 
 
@@ -66,10 +66,10 @@ def _show(tok, out, ref) -> str:
 
 
 def test_prompt_lookup_equals_hf_greedy(lm, cases):
-    model, tok, eos = lm
+    model, tok, eos, backend = lm
     wrong, accepted = [], 0
     for i, (ids, ref) in enumerate(cases):
-        out = generate(model, ids, PromptLookupDrafter(), max_new_tokens=MAX_NEW, tokenizer=tok)
+        out = generate(model, ids, PromptLookupDrafter(), max_new_tokens=MAX_NEW, tokenizer=tok, backend=backend)
         if out.tokens != ref:
             wrong.append(f"prompt {i} ({model.dtype}): {_show(tok, out.tokens, ref)}")
         else:
@@ -82,10 +82,11 @@ def test_prompt_lookup_equals_hf_greedy(lm, cases):
 def test_draft_model_equals_hf_greedy(lm, cases):
     """The model drafts for itself: the drafts are its own greedy tokens, so most are accepted
     (rejections come only from the tie guard); the output is still exactly HF's."""
-    model, tok, eos = lm
+    model, tok, eos, backend = lm
     wrong, drafted, accepted = [], 0, 0
     for i, (ids, ref) in enumerate(cases):
-        out = generate(model, ids, DraftModelDrafter(model, max_tokens=8), max_new_tokens=MAX_NEW, tokenizer=tok)
+        out = generate(model, ids, DraftModelDrafter(model, max_tokens=8), max_new_tokens=MAX_NEW, tokenizer=tok,
+                       backend=backend)
         if out.tokens != ref:
             wrong.append(f"prompt {i} ({model.dtype}): {_show(tok, out.tokens, ref)}")
         drafted += sum(out.stats.drafted)
@@ -95,7 +96,7 @@ def test_draft_model_equals_hf_greedy(lm, cases):
 
 
 def test_stop_strings_cut_where_hf_cuts(lm, cases):
-    model, tok, eos = lm
+    model, tok, eos, backend = lm
     text0, text3 = tok.decode(cases[0][1]), tok.decode(cases[3][1])  # the copied sentence, the number list
     assert "fox" in text0 and "own f" in text0 and "5, 6" in text3, (text0, text3)
     # a word inside a copied (drafted) span, a span across tokens with a second never-seen string,
@@ -103,7 +104,8 @@ def test_stop_strings_cut_where_hf_cuts(lm, cases):
     for i, stops in [(0, ["fox"]), (0, ["zzz", "own f"]), (3, ["5, 6"]), (3, [","])]:
         ids, ref = cases[i]
         hf = hf_greedy(model, ids, eos, stop_strings=stops, tokenizer=tok)
-        out = generate(model, ids, PromptLookupDrafter(), max_new_tokens=MAX_NEW, stop_strings=stops, tokenizer=tok)
+        out = generate(model, ids, PromptLookupDrafter(), max_new_tokens=MAX_NEW, stop_strings=stops, tokenizer=tok,
+                       backend=backend)
         assert out.tokens == hf, (stops, tok.decode(out.tokens), tok.decode(hf))
         assert out.finish_reason == "stop_string"
         assert out.tokens == ref[: len(out.tokens)]
@@ -112,7 +114,8 @@ def test_stop_strings_cut_where_hf_cuts(lm, cases):
         assert len(out.from_draft) == len(out.tokens) == out.stats.new_tokens
     # a stop string that never appears changes nothing
     ids, ref = cases[2]
-    out = generate(model, ids, PromptLookupDrafter(), max_new_tokens=MAX_NEW, stop_strings=["qqqq"], tokenizer=tok)
+    out = generate(model, ids, PromptLookupDrafter(), max_new_tokens=MAX_NEW, stop_strings=["qqqq"], tokenizer=tok,
+                   backend=backend)
     assert out.tokens == ref and out.finish_reason != "stop_string"
 
 
@@ -137,18 +140,19 @@ def test_the_batched_engine_cuts_at_stop_strings_as_generate_does(smollm2_fp32):
 @pytest.mark.xfail(strict=True, reason="HF also matches stop strings that begin in the prompt; specsuite "
                                        "searches the generated text only (reported, not decided here)")
 def test_stop_string_spanning_the_prompt_boundary_like_hf(lm, cases):
-    model, tok, eos = lm
+    model, tok, eos, backend = lm
     ids, ref = cases[0]
     stop = "\n" + tok.decode(ref[:1])  # the prompt ends with "assistant\n"
     hf = hf_greedy(model, ids, eos, max_new_tokens=4, stop_strings=[stop], tokenizer=tok)
-    out = generate(model, ids, NoDrafter(), max_new_tokens=4, stop_strings=[stop], tokenizer=tok)
+    out = generate(model, ids, NoDrafter(), max_new_tokens=4, stop_strings=[stop], tokenizer=tok, backend=backend)
     assert out.tokens == hf
 
 
 def test_stream_reassembles_the_text_and_marks_drafted_pieces(lm, cases):
-    model, tok, eos = lm
+    model, tok, eos, backend = lm
     ids, ref = cases[0]
-    *pieces, final = stream(functools.partial(generate, model, ids, PromptLookupDrafter(), max_new_tokens=MAX_NEW),
+    *pieces, final = stream(functools.partial(generate, model, ids, PromptLookupDrafter(), max_new_tokens=MAX_NEW,
+                                              backend=backend),
                             tok)
     assert isinstance(final, Generation) and all(isinstance(p, TextPiece) for p in pieces)
     assert final.tokens == ref
@@ -158,9 +162,9 @@ def test_stream_reassembles_the_text_and_marks_drafted_pieces(lm, cases):
 
 
 def test_stream_reraises_errors_in_the_consumer(lm):
-    model, tok, eos = lm
+    model, tok, eos, backend = lm
     with pytest.raises(ValueError, match="empty"):
-        list(stream(functools.partial(generate, model, [], max_new_tokens=4), tok))
+        list(stream(functools.partial(generate, model, [], max_new_tokens=4, backend=backend), tok))
 
 
 def test_prefix_cache_reuses_the_prompt_and_keeps_the_output(smollm2_fp32):

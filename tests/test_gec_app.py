@@ -11,7 +11,7 @@ from specsuite.apps.gec.corrector import Correction, Corrector
 from specsuite.apps.gec.drafter import CopyDrafter
 from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache
 from specsuite.cli import main as specsuite_main
-from specsuite.core.backend import backend_for, choose_backend, use_backend
+from specsuite.core.backend import choose_backend
 from specsuite.core import PromptLookupDrafter, TextPiece, eos_token_ids, generate
 
 pytestmark = pytest.mark.real_model
@@ -91,14 +91,16 @@ def test_truncation_is_reported(smollm2):
     assert c.truncated and c.stats["new_tokens"] == 2
 
 
-def test_bad_drafter_name_is_rejected(smollm2):
+def test_bad_drafter_or_backend_name_is_rejected(smollm2):
     with pytest.raises(ValueError, match="unknown drafter"):
         Corrector.from_loaded(*smollm2, drafter="magic")
+    with pytest.raises(ValueError, match="unknown backend"):  # before any model is loaded
+        Corrector(model="no-such-model", backend="fast")
 
 
 def test_cli_correct_writes_error_records(smollm2, tmp_path, monkeypatch, capsys):
-    def load_shared(name, dtype=None, backend="auto"):  # the CLI asks for the preset; hand it the loaded one
-        assert name == "smollm2-135m" and backend == "auto"
+    def load_shared(name, dtype=None):  # the CLI asks for the preset; hand it the loaded one
+        assert name == "smollm2-135m"
         return smollm2
 
     monkeypatch.setattr(corrector_module, "load_model", load_shared)
@@ -141,8 +143,8 @@ def test_drafted_generation_equals_hf_greedy(smollm2_fp32, sentences, hf_greedy,
 
 
 def test_exact_asks_for_the_exact_forward_forms(smollm2):
-    """`gec correct --exact` promises greedy's output token for token, so it loads the model with
-    the exact backend, not `auto` (which verifies with plain bf16 calls where the exact forms cost
+    """`gec correct --exact` promises greedy's output token for token, so its corrector computes
+    with the exact backend, not `auto` (which verifies with plain bf16 calls where the exact forms cost
     over 15% more, as on an AMD Zen 5 CPU)."""
     import argparse
 
@@ -150,16 +152,16 @@ def test_exact_asks_for_the_exact_forward_forms(smollm2):
 
     args = argparse.Namespace(model="smollm2-135m", drafter="copy", dtype=None, max_new_tokens=8, batch_size=4)
     exact = _corrector(argparse.Namespace(**vars(args), exact=True))
-    assert exact.batch_size == 1 and exact.model.specsuite_backend[0] == "exact"
-    assert backend_for(exact.model) == choose_backend(exact.model, "exact")
-    assert _corrector(argparse.Namespace(**vars(args), exact=False)).model.specsuite_backend[0] == "auto"
+    assert exact.batch_size == 1 and exact.backend == choose_backend(exact.model, "exact")
+    auto = _corrector(argparse.Namespace(**vars(args), exact=False))
+    assert auto.backend == choose_backend(auto.model, "auto") and not hasattr(auto.model, "specsuite_backend")
     assert exact.correct("She go to school yesterday.").text
 
 
 def test_corrector_reuses_the_instruction_and_keeps_greedy_output(smollm2_fp32, sentences, hf_greedy):
     """In fp32 the corrector keeps the KV of its recent prompts: each sentence after the first
     starts from the cached instruction, and the output is still HF's greedy output. In bf16 no
-    cache is kept by default (see lossless_by_default)."""
+    cache is kept by default (`Backend.lossless_prefix_cache`)."""
     model, tok = smollm2_fp32
     corrector = Corrector.from_loaded(model, tok, max_new_tokens=MAX_NEW)
     assert corrector.prefix_cache is not None
@@ -168,8 +170,7 @@ def test_corrector_reuses_the_instruction_and_keeps_greedy_output(smollm2_fp32, 
         assert g.tokens == expected, f"differs from HF greedy on {text!r}"
         assert (g.stats.cached_prompt_tokens > 0) == (i > 0)
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    use_backend(bf16, "exact")
-    assert instruction_cache(bf16) is None
+    assert instruction_cache(bf16, choose_backend(bf16, "exact")) is None
 
 
 def test_batched_corrections_equal_hf_greedy_in_fp32(smollm2_fp32, sentences, hf_greedy):

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from specsuite.core import generate
-from specsuite.core.backend import LOGIT_SCREEN_COSTS, backend_for, use_backend
+from specsuite.core.backend import LOGIT_SCREEN_COSTS, choose_backend
 from specsuite.core.draft_budget import StepCost, cost_file
 from specsuite.core.exact_linear import FP32_ROW_BUCKETS, packed_bf16_runs
 from specsuite.core.logit_screen import LogitScreen
@@ -57,22 +57,22 @@ def test_generate_with_the_logit_screen_is_greedy(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
     model = tiny_model("qwen2", max_positions=512)
-    plain = use_backend(model, "auto")
+    plain = choose_backend(model, "auto")
     rows = list(FP32_ROW_BUCKETS)
     StepCost(dict.fromkeys(rows, 1.0)).save(cost_file(model, measure=f"{LOGIT_SCREEN_COSTS}:{plain.name}"))
     screened_costs = {r: 0.5 + 0.01 * r for r in rows}
     StepCost(screened_costs).save(cost_file(model, measure=f"{LOGIT_SCREEN_COSTS}:{plain.name}+logit-screen"))
-    chosen = use_backend(model, "auto")
+    chosen = choose_backend(model, "auto")
     assert (chosen.screen is not None) == packed_bf16_runs() and chosen.name == plain.name
     if chosen.screen is not None:  # its drafts are capped on the costs of the screened forwards
         assert chosen.draft_cost.secs == list(screened_costs.values())
     # forced on where it would not be chosen, so that every CPU checks what it computes
     screened = replace(plain, screen=LogitScreen(model.lm_head.weight))
-    model.specsuite_backend = ("auto", (model.dtype, model.device), screened)
-    assert backend_for(model).label == "fp32-cpu + logit screen"
+    assert screened.label == "fp32-cpu + logit screen"
     for i, p in enumerate(prompts(6, seed=31, lengths=(3, 120))):
         truth = hf_greedy(model, p, 40)
-        out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[])
+        out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[],
+                       backend=screened)
         assert out.tokens == truth[:30], i
 
 

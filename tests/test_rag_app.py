@@ -18,7 +18,7 @@ from specsuite.apps.rag.drafter import ReferenceDrafter
 from specsuite.apps.rag.prompt import rag_prompt_ids, rag_user_message
 from specsuite.apps.rag.evaluate import contains_reference, evaluate_rag, references
 from specsuite.apps.rag.qa import Answer, RagQA, copied_spans, find_claims, parse_citations
-from specsuite.core.backend import use_backend
+from specsuite.core.backend import choose_backend
 from specsuite.core import PrefixCache, eos_token_ids, generate
 from specsuite.retrieval import PassageIndex, parse_specbench_rag
 
@@ -187,9 +187,9 @@ def test_prefix_cache_is_on_by_default_only_in_fp32(smollm2_fp32):
     model, tok = smollm2_fp32
     assert RagQA.from_loaded(model, tok).prefix_cache.max_bytes == 1 << 30
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    use_backend(bf16, "exact")
-    assert RagQA.from_loaded(bf16, tok).prefix_cache is None
-    assert RagQA.from_loaded(bf16, tok, prefix_cache_bytes=1 << 20).prefix_cache.max_bytes == 1 << 20
+    exact = choose_backend(bf16, "exact")
+    assert RagQA.from_loaded(bf16, tok, backend=exact).prefix_cache is None
+    assert RagQA.from_loaded(bf16, tok, prefix_cache_bytes=1 << 20, backend=exact).prefix_cache.max_bytes == 1 << 20
 
 
 def test_prefix_cache_is_lossless_for_repeated_and_follow_up_questions(smollm2_fp32, items):

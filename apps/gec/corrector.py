@@ -14,6 +14,7 @@ from importlib import resources
 
 from specsuite.core import Generation, PromptLookupDrafter, TextPiece, eos_token_ids, generate, turn_end_token
 from specsuite.core import stream as stream_generation
+from specsuite.core.backend import KINDS, Backend, choose_backend
 from specsuite.core.draft import Drafter
 from specsuite.core.engine import BatchEngine, Request, engine_supports
 from specsuite.core.generate import context_length
@@ -93,30 +94,36 @@ class Corrector:
     def __init__(self, model: str = DEFAULT_MODEL, drafter: str = "copy", dtype: str | None = None,
                  max_new_tokens: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                  backend: str = "auto") -> None:
-        """backend: how the forwards are computed (`load_model`): "auto", or "exact" for output
-        token for token greedy's where `auto` would verify with plain bf16 calls (CPUs without
-        AMX), at the cost of speed."""
+        """backend: how the forwards are computed (`core.backend.choose_backend`): "auto", or
+        "exact" for output token for token greedy's where `auto` would verify with plain bf16
+        calls (CPUs without AMX), at the cost of speed; "plain": the model's own forward."""
         _check(drafter, max_new_tokens, batch_size)  # before the slow load
-        self._setup(*load_model(model, dtype=dtype, backend=backend), drafter, max_new_tokens, batch_size)
+        if backend not in KINDS:
+            raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(KINDS)}")
+        self._setup(*load_model(model, dtype=dtype), drafter, max_new_tokens, batch_size, backend)
 
     @classmethod
     def from_loaded(cls, model, tokenizer, drafter: str = "copy", max_new_tokens: int | None = None,
-                    batch_size: int = DEFAULT_BATCH_SIZE) -> Corrector:
-        """A corrector on an already loaded (model, tokenizer), e.g. shared between tests."""
+                    batch_size: int = DEFAULT_BATCH_SIZE, backend: str | Backend = "auto") -> Corrector:
+        """A corrector on an already loaded (model, tokenizer), e.g. shared between tests; backend:
+        a kind as in `__init__`, or a `Backend` already chosen for this model."""
         _check(drafter, max_new_tokens, batch_size)
         self = cls.__new__(cls)
-        self._setup(model, tokenizer, drafter, max_new_tokens, batch_size)
+        self._setup(model, tokenizer, drafter, max_new_tokens, batch_size, backend)
         return self
 
-    def _setup(self, model, tokenizer, drafter: str, max_new_tokens: int | None, batch_size: int) -> None:
+    def _setup(self, model, tokenizer, drafter: str, max_new_tokens: int | None, batch_size: int,
+               backend: str | Backend) -> None:
         self.model, self.tokenizer = model, tokenizer
+        # chosen once for the model, passed to every forward (generate() and the batched engine)
+        self.backend = backend if isinstance(backend, Backend) else choose_backend(model, backend)
         self.drafter, self.max_new_tokens, self.batch_size = drafter, max_new_tokens, batch_size
         self.eos = sorted(eos_token_ids(model, tokenizer))
         self.end_tokens = [turn_end_token(model, tokenizer)]
         # The prompt holds the segment, the reply may be twice as long: a quarter of the context
         # per segment keeps both inside it (1024 tokens for the presets).
         self.context_limit = min(context_length(model) // 4, MAX_CONTEXT_LIMIT)
-        self.prefix_cache = instruction_cache(model)
+        self.prefix_cache = instruction_cache(model, self.backend)
         self.instruction = instruction_ids(tokenizer)
         self._engine: BatchEngine | None = None  # made on the first batched call
 
@@ -187,7 +194,7 @@ class Corrector:
 
     def _batch_engine(self) -> BatchEngine:
         if self._engine is None:
-            self._engine = BatchEngine(self.model, eos_token_id=self.eos, prefix=self.instruction)
+            self._engine = BatchEngine(self.model, eos_token_id=self.eos, prefix=self.instruction, backend=self.backend)
         return self._engine
 
     def _request(self, text: str) -> Request:
@@ -220,7 +227,7 @@ class Corrector:
     def _generate(self, text: str, on_step=None) -> Generation:
         request = self._request(text)
         return generate(self.model, request.prompt, request.drafter, max_new_tokens=request.max_new_tokens,
-                        eos_token_id=self.eos, on_step=on_step, prefix_cache=self.prefix_cache)
+                        eos_token_id=self.eos, on_step=on_step, prefix_cache=self.prefix_cache, backend=self.backend)
 
     def _stream_segment(self, text: str) -> Generator[TextPiece, None, Generation]:
         """The reply's pieces as `str.strip` leaves the reply: leading whitespace dropped, trailing

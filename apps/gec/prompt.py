@@ -9,7 +9,7 @@ and dropped: on JFLEG dev they made both presets under-correct and lowered GLEU 
 from __future__ import annotations
 
 from specsuite.core import PrefixCache
-from specsuite.core.prefix_cache import lossless_by_default
+from specsuite.core.backend import Backend
 
 # The KV of a few recent prompts, whose common start (the instruction, ~80 tokens of ~110 for a
 # JFLEG sentence) the next prompt reuses: ~2 MB a prompt for Qwen2.5-0.5B in fp32.
@@ -46,7 +46,7 @@ def instruction_ids(tokenizer) -> list[int]:
     return a[:n]
 
 
-def instruction_cache(model) -> PrefixCache | None:
+def instruction_cache(model, backend: Backend) -> PrefixCache | None:
     """A prefix cache that lets every prompt after the first skip the shared instruction, or None
-    where a cache is not lossless by default (bf16, fp16: see `lossless_by_default`)."""
-    return PrefixCache(model.config, max_bytes=INSTRUCTION_CACHE_BYTES) if lossless_by_default(model) else None
+    where the model's backend does not keep a cache lossless (bf16, fp16: `lossless_prefix_cache`)."""
+    return PrefixCache(model.config, max_bytes=INSTRUCTION_CACHE_BYTES) if backend.lossless_prefix_cache else None

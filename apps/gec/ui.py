@@ -108,7 +108,7 @@ def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_B
     server = None
     if batch_size > 1 and engine_supports(corrector.model):
         engine = BatchEngine(corrector.model, batch_size, eos_token_id=corrector.eos,
-                             prefix=corrector.instruction)
+                             prefix=corrector.instruction, backend=corrector.backend)
         server = BatchServer(engine)
 
     def corrections(text: object) -> Iterator[TextPiece | Correction]:

@@ -7,6 +7,7 @@ from statistics import mean
 from typing import Any, Callable, Sequence
 
 from specsuite.core import Drafter, PrefixCache, eos_token_ids, generate
+from specsuite.core.backend import choose_backend
 from specsuite.retrieval.specbench import parse_specbench_rag
 
 from .drafter import ReferenceDrafter
@@ -33,12 +34,13 @@ def prefix_cache_ttft(model, tokenizer, items: Sequence[dict[str, Any]], n: int 
     if not items:
         raise ValueError("no items")
     eos = sorted(eos_token_ids(model, tokenizer))
+    backend = choose_backend(model)
     parsed = [parse_specbench_rag(item) for item in items]
 
     def run(question: str, passages: list[str], cache: PrefixCache | None):
         prompt = rag_prompt_ids(tokenizer, question, passages)
         return generate(model, prompt, ReferenceDrafter.for_passages(tokenizer, passages),
-                        max_new_tokens=max_new_tokens, eos_token_id=eos, prefix_cache=cache)
+                        max_new_tokens=max_new_tokens, eos_token_id=eos, prefix_cache=cache, backend=backend)
 
     run(parsed[0][1], parsed[0][0], None)  # warm-up: the first call pays for kernel selection
     rows = []

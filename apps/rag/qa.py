@@ -29,8 +29,8 @@ from specsuite.apps.serving import BatchServer
 from specsuite.core.draft import FallbackDrafter
 from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.generate import context_length
-from specsuite.models import DEFAULT_MODEL, load_model
-from specsuite.core.prefix_cache import lossless_by_default
+from specsuite.models import DEFAULT_MODEL, load_model, model_name
+from specsuite.core.backend import Backend, choose_backend
 
 from .drafter import ReferenceDrafter
 from .prompt import rag_prompt_ids
@@ -213,20 +213,23 @@ class RagQA:
         loaded, tokenizer = load_model(model, dtype=dtype)
         small = load_model(draft_model, dtype=loaded.dtype)[0] if draft_model else None
         self._setup(loaded, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens,
-                    batch_size, small)
+                    batch_size, small, choose_backend(loaded))
 
     @classmethod
     def from_loaded(cls, model, tokenizer, index: "PassageIndex | None" = None, drafter: str = "reference",
                     prefix_cache_bytes: int | None = None, max_new_tokens: int = 256,
-                    max_question_tokens: int | None = None, batch_size: int = 1, draft_model=None) -> "RagQA":
-        """A RagQA over an already loaded model, tokenizer, index and draft model (tests, notebooks)."""
+                    max_question_tokens: int | None = None, batch_size: int = 1, draft_model=None,
+                    backend: Backend | None = None) -> "RagQA":
+        """A RagQA over an already loaded model, tokenizer, index and draft model (tests, notebooks);
+        backend: one already chosen for the model (None: `choose_backend(model)`)."""
         qa = cls.__new__(cls)
         qa._setup(model, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens,
-                  batch_size, draft_model)
+                  batch_size, draft_model, backend or choose_backend(model))
         return qa
 
     def _setup(self, model, tokenizer, index, drafter: str, prefix_cache_bytes: int | None,
-               max_new_tokens: int, max_question_tokens: int | None, batch_size: int, draft_model=None) -> None:
+               max_new_tokens: int, max_question_tokens: int | None, batch_size: int, draft_model,
+               backend: Backend) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -235,7 +238,7 @@ class RagQA:
         # turns; each answer is then greedy up to the rounding of batched rows (a near-tie may flip).
         self.batch_size = batch_size
         self._server: BatchServer | None = None
-        self.model, self.tokenizer, self.index = model, tokenizer, index
+        self.model, self.tokenizer, self.index, self.backend = model, tokenizer, index, backend
         self.drafter, self.max_new_tokens, self.draft_model = drafter, max_new_tokens, draft_model
         self.context = context_length(model)
         if self.max_new_tokens >= self.context:
@@ -243,7 +246,7 @@ class RagQA:
         self.max_question_tokens = int(check_limit(max_question_tokens, "max_question_tokens")
                                        or min(MAX_QUESTION_TOKENS, self.context - max_new_tokens))
         if prefix_cache_bytes is None:
-            prefix_cache_bytes = DEFAULT_PREFIX_CACHE_BYTES if lossless_by_default(model) else 0
+            prefix_cache_bytes = DEFAULT_PREFIX_CACHE_BYTES if backend.lossless_prefix_cache else 0
         self.prefix_cache = PrefixCache(model.config, max_bytes=prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.eos = sorted(eos_token_ids(model, tokenizer))
         self._lock = threading.Lock()  # one generation at a time: the model and cache are shared
@@ -282,14 +285,15 @@ class RagQA:
         try:
             deadline.check()
             return generate(self.model, prompt, drafter, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
-                            on_step=deadline.on_step(on_step), prefix_cache=self.prefix_cache)
+                            on_step=deadline.on_step(on_step), prefix_cache=self.prefix_cache, backend=self.backend)
         finally:
             self._lock.release()
 
     def _batch_server(self) -> BatchServer:
         with self._lock:
             if self._server is None:
-                self._server = BatchServer(BatchEngine(self.model, self.batch_size, eos_token_id=self.eos))
+                self._server = BatchServer(BatchEngine(self.model, self.batch_size, eos_token_id=self.eos,
+                                                       backend=self.backend))
             return self._server
 
     def job_worker(self, k: int = 5, batch_size: int = 16) -> JobWorker:
@@ -313,7 +317,7 @@ class RagQA:
             question, scored, extra = asked
             return self._finish(question, scored, generations[0], extra)
 
-        engine = BatchEngine(self.model, batch_size, eos_token_id=self.eos)
+        engine = BatchEngine(self.model, batch_size, eos_token_id=self.eos, backend=self.backend)
         return decode_in_order(engine, questions, plan, finish)
 
     def _finish(self, question: str, scored: list[Scored], generation: Generation,
@@ -321,7 +325,7 @@ class RagQA:
         text = self.tokenizer.decode(generation.tokens, skip_special_tokens=True).strip()
         bodies = [passage_body(p) for p, _ in scored]
         s = generation.stats
-        stats = {**extra, "model": getattr(self.model, "name_or_preset", None), "drafter": self.drafter, "finish_reason": generation.finish_reason,
+        stats = {**extra, "model": model_name(self.model), "drafter": self.drafter, "finish_reason": generation.finish_reason,
                  "ttft_s": round(s.prefill_s, 4),
                  "tokens_per_s": round(s.new_tokens / s.total_s, 2) if s.total_s else 0.0, **s.as_dict()}
         return Answer(text, scored, find_claims(text, bodies), stats, question)
