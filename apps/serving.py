@@ -1,14 +1,20 @@
 """Concurrent callers served from one running batch (the web apps' requests), each within its
 time budget, waiting for a slot included.
 
-A caller `run`s a request with its `Deadline`: the request is queued, joins the batch at the next
-step with a free slot, and the caller waits at most the time left (`wait`). A request still queued
-when its budget ends, or when what is left of it is less than reading its prompt costs
-(`limits.estimate_s`: it could only time out, after taking a slot and others' time), leaves the
-queue with the time-budget error and never takes a slot; a running one stops at its next step (its
-`on_step` checks the deadline). Each step admits prompts of at most
+A caller `run`s a request with its `Deadline`: the request is queued, joins the batch at a step
+with a free slot, and the caller waits at most the time left (`wait`); a running one stops at its
+next step past its deadline (its `on_step` checks it). Each step admits prompts of at most
 `max_prompt_tokens` tokens in all (at least one request), so that a burst of long prefills does not
 stall every other caller's decode step.
+
+Admission by deadline: the head of the queue joins the batch only while everyone is expected to
+finish in time (`_Plan`), by the engine's measured step cost: its prefill delays every running
+request, and each step costs more with one more sequence. If it would make someone late it waits
+for a step; if it cannot finish in time even alone, it leaves the queue at once with the
+time-budget error and never takes a slot. Under a burst of callers (48 at once with a 30 s budget)
+the batch then finishes the requests it took, instead of taking as many as fit in the slots and
+having most of them time out together. How many steps a request takes is learned from the ones
+that finished here (PRIOR_STEPS until then).
 """
 
 from __future__ import annotations
@@ -17,12 +23,18 @@ import queue
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 
-from specsuite.apps.limits import Deadline, TimeBudgetExceeded, estimate_s
+from specsuite.apps.limits import Deadline, TimeBudgetExceeded, step_cost
 from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.sequence import Generation
 
 MAX_PROMPT_TOKENS_PER_STEP = 1024
+# Engine steps a request is assumed to take until one has finished here: a short answer (the
+# apps' demo questions and sentences take 10-40 on the presets). Then the mean of the finished
+# ones (exponentially weighted, LEARN_RATE), as is the rows a sequence adds to a step.
+PRIOR_STEPS = 24
+LEARN_RATE = 0.2
 
 
 def wait(future: Future, deadline: Deadline):
@@ -38,16 +50,36 @@ def wait(future: Future, deadline: Deadline):
         raise deadline.queued() if future.cancelled() else deadline.exceeded() from None
 
 
+@dataclass
+class _Running:
+    """A request in the batch: its deadline, the engine steps it is expected to take, and the
+    engine's forward count when it joined."""
+
+    deadline: Deadline
+    steps: float
+    joined: int
+
+
+def _fail(future: Future, error: Exception) -> None:
+    """End a queued request with `error`, unless its caller cancelled it already."""
+    if future.set_running_or_notify_cancel():
+        future.set_exception(error)
+
+
 class BatchServer:
     """One running batch for concurrent callers (a web app's requests): `run` (or `submit`) from
-    any thread; a request joins the batch at the next step instead of waiting for the others to
-    finish. The engine runs in a daemon thread, started on the first request."""
+    any thread; a request joins the batch at a step with a free slot instead of waiting for the
+    others to finish. The engine runs in a daemon thread, started on the first request."""
 
     def __init__(self, engine: BatchEngine, max_prompt_tokens: int = MAX_PROMPT_TOKENS_PER_STEP) -> None:
         self.engine = engine
         self.max_prompt_tokens = max_prompt_tokens
+        # seconds of an engine step by its rows: the engine's own curve, else the measured one
+        self.cost = engine.budget.cost if engine.budget is not None else step_cost(engine.model)
+        self.steps, self.rows = float(PRIOR_STEPS), 1.0  # per request; per sequence and step
         self._queue: queue.Queue[tuple[Request, Future, Deadline]] = queue.Queue()
         self._futures: list[Future] = []  # by request number
+        self._running: dict[int, _Running] = {}  # by request number (the engine thread's alone)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -67,43 +99,107 @@ class BatchServer:
 
     def _requests(self) -> Iterator[Request | None]:
         admitted = 0  # prompt tokens admitted in this step
+        held = None  # the head of the queue, waiting until it makes nobody late (its caller may still cancel it)
         while True:
             if admitted >= self.max_prompt_tokens:  # enough prefill for one step: the rest next step
                 admitted = 0
                 yield None
                 continue
-            try:  # block only while nothing is decoding
-                request, future, deadline = self._queue.get(block=self.engine.in_flight == 0)
-            except queue.Empty:
-                admitted = 0
-                yield None
+            if held is None:
+                try:  # block only while nothing is decoding
+                    held = self._queue.get(block=self.engine.in_flight == 0)
+                except queue.Empty:
+                    admitted = 0
+                    yield None
+                    continue
+            request, future, deadline = held
+            if future.cancelled() or deadline.expired():
+                held = None
+                _fail(future, deadline.queued())
                 continue
+            plan = self._plan(request)
+            alone = plan.finish_alone()
+            if alone is not None and deadline.remaining() is not None and alone > deadline.remaining():
+                held = None  # it could only time out, after taking others' time
+                _fail(future, deadline.queued(alone))
+                continue
+            if not plan.keeps_everyone_in_time(deadline):
+                admitted = 0
+                yield None  # a step on: sequences finish, the batch gets cheaper
+                continue
+            held = None
             if not future.set_running_or_notify_cancel():
                 continue  # its caller gave up while it was queued
-            if deadline.expired():
-                future.set_exception(deadline.queued())
-                continue
-            need = estimate_s(self.engine.model, len(request.prompt))
-            if need is not None and deadline.remaining() is not None and need > deadline.remaining():
-                future.set_exception(deadline.queued(need))  # it could only time out, after taking others' time
-                continue
+            self._running[len(self._futures)] = _Running(deadline, plan.steps, self.engine.forward_passes)
             self._futures.append(future)
             admitted += len(request.prompt)
             yield request
+
+    def _plan(self, request: Request) -> _Plan:
+        return _Plan(self.cost, request, self.steps, self.rows, list(self._running.values()),
+                     self.engine.forward_passes)
+
+    def _learn(self, generation: Generation) -> None:
+        """The steps a request takes and the rows a sequence adds to a step, from one that finished."""
+        s = generation.stats
+        if s.forward_passes:
+            self.steps += LEARN_RATE * (s.forward_passes - self.steps)
+            self.rows += LEARN_RATE * (1 + sum(s.drafted) / s.forward_passes - self.rows)
 
     def _serve(self) -> None:
         try:
             for index, result in self.engine.run(self._requests()):
                 future = self._futures[index]
                 self._futures[index] = None  # type: ignore[call-overload] - done: drop the reference
+                self._running.pop(index, None)
                 if isinstance(result, Exception):
                     future.set_exception(result)
                 else:
+                    self._learn(result)
                     future.set_result(result)
         except BaseException as e:  # the batch itself failed: fail its callers, restart on the next request
             with self._lock:
                 self._thread = None
                 waiting, self._futures = [f for f in self._futures if f is not None], []
+                self._running = {}
             for future in waiting:
                 future.set_exception(e)
             raise
+
+
+@dataclass
+class _Plan:
+    """What admitting `request` now would do, by the step cost curve `cost` (None: not measured,
+    then every request is admitted): its prefill delays every running request by cost(its prompt);
+    then every step costs cost(rows), each sequence adding `rows` rows, until each has taken its
+    expected steps (`steps`, at most the request's answer budget). Conservative: the batch is
+    priced as if nobody left it early."""
+
+    cost: object
+    request: Request
+    steps_each: float
+    rows: float
+    running: list[_Running]
+    now_step: int
+
+    @property
+    def steps(self) -> float:
+        return min(self.steps_each, self.request.max_new_tokens)
+
+    def _step_s(self, sequences: int) -> float:
+        return self.cost(max(1, round(sequences * self.rows)))
+
+    def finish_alone(self) -> float | None:
+        """Seconds the request takes with the batch to itself (None: no cost curve)."""
+        if self.cost is None:
+            return None
+        return self.cost(len(self.request.prompt)) + self.steps * self._step_s(1)
+
+    def keeps_everyone_in_time(self, deadline: Deadline) -> bool:
+        """Whether the request and every running one are expected to end within their budgets."""
+        if self.cost is None:
+            return True
+        prefill, step = self.cost(len(self.request.prompt)), self._step_s(len(self.running) + 1)
+        ends = [(deadline, prefill + self.steps * step)]
+        ends += [(r.deadline, prefill + max(1.0, r.steps - (self.now_step - r.joined)) * step) for r in self.running]
+        return all(d.remaining() is None or end <= d.remaining() for d, end in ends)

@@ -106,6 +106,39 @@ def test_each_step_admits_at_most_the_prompt_token_cap(smollm2):
     assert first[0] == first[1] and first[2] == first[0] + 1, first
 
 
+def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2):
+    """Admission by deadline, on a step cost curve given to the engine (0.05 s a row, so a prompt
+    of 10 tokens costs 0.5 s and a step of n sequences 0.05 n s): with a 1.8 s budget and 10
+    answer tokens, two requests fit together (0.5 + 10 x 0.1 s), three would not (2.0 s), so at
+    most two are in the batch at once and the others wait for them; one whose budget is below what
+    it needs alone (1.0 s) is refused at once without a slot."""
+    from specsuite.apps.serving import PRIOR_STEPS, BatchServer
+    from specsuite.core.draft_budget import StepCost
+    from specsuite.core.engine import BatchEngine, Request
+
+    engine = BatchEngine(smollm2[0], batch_size=8, cost=StepCost({1: 0.05, 64: 3.2}))
+    server = BatchServer(engine)
+    in_flight: list[int] = []
+    hopeless = Steps(engine)
+    start = time.monotonic()
+    with pytest.raises(TimeBudgetExceeded, match=r"less than this request needs \(at least 1.0 s"):
+        server.run(Request(_prompt(smollm2[1], 10), max_new_tokens=10, on_step=hopeless), Deadline(0.7))
+    assert time.monotonic() - start < 0.5 and hopeless.at == []
+    calls = [(Request(_prompt(smollm2[1], 10), max_new_tokens=10, on_step=lambda *a: in_flight.append(engine.in_flight)),
+              Deadline(1.8)) for _ in range(6)]
+    start = time.monotonic()
+    futures = [server.submit(request, deadline) for request, deadline in calls]
+    answered = 0
+    for future in futures:
+        try:
+            answered += bool(future.result(timeout=30).tokens)
+        except TimeBudgetExceeded:
+            pass
+    assert time.monotonic() - start < 1.8 + 1.0  # every call ended, answered or refused in time
+    assert answered >= 2 and in_flight and max(in_flight) == 2, in_flight
+    assert server.steps < PRIOR_STEPS  # learned from the finished ones: 11 forwards each
+
+
 # ---- the running apps --------------------------------------------------------------------------
 
 def _launch(app) -> str:
