@@ -211,8 +211,9 @@ def test_a_request_that_cannot_finish_in_its_budget_is_refused_before_the_model(
 
 
 def test_many_concurrent_calls_all_end_within_the_budget(smollm2, batched_rag):
-    """More calls than slots, with a short budget: each ends with an answer or the time-budget
-    error within the budget and a step's margin; hostile calls among them are refused at once."""
+    """48 calls at once on 8 slots, with a short budget: each ends with an answer or the time-budget
+    error within the budget and a step's margin, at least 8 are answered (the batch takes only
+    what it can finish in time); hostile calls among them are refused at once."""
     from gradio_client import Client
 
     from specsuite.apps.rag.ui import build_app
@@ -221,7 +222,7 @@ def test_many_concurrent_calls_all_end_within_the_budget(smollm2, batched_rag):
     budget = 12.0
     app = build_app(qa, k=3, time_budget_s=budget)
     url = _launch(app)
-    calls = [QUESTION if i % 6 else ONE_LETTER for i in range(24)]
+    calls = [QUESTION if i % 6 else ONE_LETTER for i in range(48)]
     clients = [Client(url, verbose=False) for _ in calls]
 
     def call(i: int) -> tuple[str, float]:
@@ -239,10 +240,10 @@ def test_many_concurrent_calls_all_end_within_the_budget(smollm2, batched_rag):
     finally:
         app.close()
     assert {kind for kind, _ in results} <= {"answered", "timed_out", "refused", "over_budget"}, results
-    assert sum(kind == "refused" for kind, _ in results) == 4
+    assert sum(kind == "refused" for kind, _ in results) == 8
     # At once, though 24 calls arrive together at an app in this process, on a loaded 2-core machine.
     assert all(t < 2 * REFUSAL_S for kind, t in results if kind in ("refused", "over_budget")), results
-    assert any(kind == "answered" for kind, _ in results), results
+    assert sum(kind == "answered" for kind, _ in results) >= 8, results
     assert max(t for _, t in results) < budget + 3, results
 
 
