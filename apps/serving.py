@@ -35,6 +35,10 @@ MAX_PROMPT_TOKENS_PER_STEP = 1024
 # ones (exponentially weighted, LEARN_RATE), as is the rows a sequence adds to a step.
 PRIOR_STEPS = 24
 LEARN_RATE = 0.2
+# Worker threads of a web app (`launch(max_threads=...)`): every caller waiting for the batch holds
+# one, so with gradio's default of 40 the 41st concurrent caller, even one to be refused at once,
+# would wait for a thread.
+UI_THREADS = 256
 
 
 def wait(future: Future, deadline: Deadline):

@@ -16,6 +16,7 @@ import pytest
 from conftest import free_port
 
 from specsuite.apps.limits import Deadline, OverBudgetError, TimeBudgetExceeded
+from specsuite.apps.serving import UI_THREADS
 
 DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
 QUESTION = "Who was the commander of Apollo 11?"
@@ -143,7 +144,8 @@ def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2)
 
 def _launch(app) -> str:
     port = free_port()
-    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                       max_threads=UI_THREADS)
     return f"http://127.0.0.1:{port}/"
 
 
@@ -158,8 +160,7 @@ def batched_rag(smollm2):
 
     index = PassageIndex.build(load_documents([DEMO_CORPUS]), Embedder("minilm-l6"))
     qa = RagQA.from_loaded(*smollm2, index, max_new_tokens=32, batch_size=8)
-    qa.ask(QUESTION, 3)  # warm: kernels and the step cost
-    app = build_app(qa, k=3, time_budget_s=30)
+    app = build_app(qa, k=3, time_budget_s=30, warm_up=True)  # kernels, the step cost, steps per request
     url = _launch(app)
     yield qa, url, Client(url, verbose=False)
     app.close()
@@ -178,6 +179,9 @@ def test_huge_questions_are_refused_at_once_while_a_normal_call_is_answered(batc
     qa, url, client = batched_rag
     from gradio_client import Client
 
+    from specsuite.apps.serving import PRIOR_STEPS
+
+    assert qa._server.steps != PRIOR_STEPS  # the warm-up question ran through the batch
     start = time.monotonic()
     client.predict(QUESTION, 3, api_name="/ask")
     alone = time.monotonic() - start

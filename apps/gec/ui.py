@@ -30,7 +30,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 import gradio as gr
 
 from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, Deadline, InputError, TimeBudgetExceeded, admit, check_limit
-from specsuite.apps.serving import BatchServer, wait
+from specsuite.apps.serving import UI_THREADS, BatchServer, wait
 from specsuite.core import TextPiece
 from specsuite.core.engine import BatchEngine, engine_supports
 
@@ -201,5 +201,6 @@ def launch(corrector: Corrector, host: str = "127.0.0.1", port: int = 7860, shar
            batch_size: int = 1) -> gr.Blocks:
     """Build the app, warm it up, and serve it (blocking unless `prevent_thread_lock`); returns the app."""
     app = build_app(corrector, time_budget_s, batch_size, warm_up=True)
-    app.queue().launch(server_name=host, server_port=port, share=share, prevent_thread_lock=prevent_thread_lock)
+    app.queue().launch(server_name=host, server_port=port, share=share, prevent_thread_lock=prevent_thread_lock,
+                       max_threads=UI_THREADS)
     return app

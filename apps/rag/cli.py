@@ -68,12 +68,14 @@ def _ui(args: argparse.Namespace) -> int:
         qa = _load_qa(args, args.index_dir)
     except retrieval_cli._errors() as e:
         return retrieval_cli._fail(e)
+    from specsuite.apps.serving import UI_THREADS
+
     from .ui import build_app
 
     if args.share:
         print(limits.SHARE_WARNING, file=sys.stderr)
-    build_app(qa, time_budget_s=args.time_budget).launch(server_name=args.host, server_port=args.port,
-                                                         share=args.share)
+    build_app(qa, time_budget_s=args.time_budget, warm_up=True).launch(
+        server_name=args.host, server_port=args.port, share=args.share, max_threads=UI_THREADS)
     return 0
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import html
 import re
+import sys
+import time
 from typing import Any, Iterator, Sequence
 
 import gradio as gr
@@ -125,10 +127,24 @@ def stats_html(stats: dict[str, Any]) -> str:
     return f'<table class="stats">{cells}</table>'
 
 
-def build_app(qa: RagQA, k: int = 5, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S) -> gr.Blocks:
+# What the app asks itself before it listens: any question retrieves passages from any index.
+WARM_UP_QUESTION = "What do these documents say?"
+
+
+def build_app(qa: RagQA, k: int = 5, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S,
+              warm_up: bool = False) -> gr.Blocks:
     """The Gradio app over `qa`; elem_ids: question, k, ask, answer, passages, stats.
-    time_budget_s: seconds a request may take (None: no limit), waiting for the model included."""
+    time_budget_s: seconds a request may take (None: no limit), waiting for the model included.
+    warm_up: answer one question first, through the same path as the visitors' (kernel checks,
+    weight packing, the step cost, the batch's first steps per request), so that the first
+    visitor does not pay for them."""
     check_limit(time_budget_s, "the time budget")
+    if warm_up:
+        start = time.perf_counter()
+        print("warming up before serving: kernel checks, weight packing, the step cost, one question",
+              file=sys.stderr, flush=True)
+        qa.ask(WARM_UP_QUESTION, k)
+        print(f"warm-up done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     def run(question: str, k: float) -> Iterator[tuple[Any, Any, Any]]:
         try:
