@@ -91,6 +91,14 @@ def test_truncation_is_reported(smollm2):
     assert c.truncated and c.stats["new_tokens"] == 2
 
 
+def test_the_fluent_style_asks_with_its_own_instruction(smollm2):
+    model, tok = smollm2
+    fluent = Corrector.from_loaded(model, tok, style="fluent")
+    prompt = fluent._request("She like it.").prompt
+    assert prompt == gec_prompt_ids(tok, "She like it.", "fluent") != gec_prompt_ids(tok, "She like it.")
+    assert prompt[: len(fluent.instruction)] == fluent.instruction != Corrector.from_loaded(model, tok).instruction
+
+
 def test_bad_drafter_or_backend_name_is_rejected(smollm2):
     with pytest.raises(ValueError, match="unknown drafter"):
         Corrector.from_loaded(*smollm2, drafter="magic")

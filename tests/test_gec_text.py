@@ -259,11 +259,17 @@ def test_a_paraphrase_is_over_edited_and_a_minimal_correction_is_not():
     assert over_edit_rate([], [], []) == 0.0
 
 
-def test_prompt_is_the_instruction_then_the_text():
-    from specsuite.apps.gec.prompt import SYSTEM, gec_messages
+def test_prompt_is_the_instruction_of_its_style_then_the_text():
+    from specsuite.apps.gec.corrector import Corrector
+    from specsuite.apps.gec.prompt import FLUENT, SYSTEM, gec_messages
 
     assert gec_messages("She like it .") == [{"role": "system", "content": SYSTEM},
                                              {"role": "user", "content": "She like it ."}]
+    assert gec_messages("She like it .", "fluent")[0] == {"role": "system", "content": FLUENT} != SYSTEM
+    with pytest.raises(ValueError, match="unknown style 'formal'; use one of minimal, fluent"):
+        gec_messages("She like it .", "formal")
+    with pytest.raises(ValueError, match="unknown style"):  # before any model is loaded
+        Corrector(model="no-such-model", style="formal")
 
 
 @pytest.mark.skipif(not JFLEG.is_dir(), reason="no JFLEG data in ../shared/data")

@@ -30,7 +30,7 @@ def _settings(args: argparse.Namespace) -> dict:
     exact = getattr(args, "exact", False)
     return {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "batch_size": 1 if exact else getattr(args, "batch_size", DEFAULT_BATCH_SIZE),
-            "backend": "exact" if exact else "auto"}
+            "backend": "exact" if exact else "auto", "style": getattr(args, "style", "minimal")}
 
 
 def _corrector(args: argparse.Namespace) -> Corrector:
@@ -235,6 +235,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="copy", help="how drafts are made (default copy)")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
     p.add_argument("--max-new-tokens", type=int, help="per segment (default 2 x its tokens + 16)")
+    p.add_argument("--style", choices=["minimal", "fluent"], default="minimal",
+                   help="minimal: fix the errors, change nothing else (default); fluent: also rephrase what "
+                   "a native speaker would not write (docs/quality.md)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help=f"texts decoded together by the batched engine (default {DEFAULT_BATCH_SIZE}; ui: "
                    f"concurrent users' corrections, default {SERVE_BATCH_SIZE}; 1: one at a time, streamed)")

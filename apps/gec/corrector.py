@@ -25,7 +25,7 @@ from specsuite.models import DEFAULT_MODEL, load_model
 from .drafter import CopyDrafter
 from .edits import Edit, word_diff
 from .limits import check_source
-from .prompt import gec_prompt_ids, instruction_cache, instruction_ids
+from .prompt import STYLES, gec_prompt_ids, instruction_cache, instruction_ids
 from .segment import Segment, join_segments, split_segments
 
 DRAFTERS = ("copy", "prompt-lookup", "none")
@@ -93,28 +93,28 @@ class Corrector:
 
     def __init__(self, model: str = DEFAULT_MODEL, drafter: str = "copy", dtype: str | None = None,
                  max_new_tokens: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", style: str = "minimal") -> None:
         """backend: how the forwards are computed (`core.backend.choose_backend`): "auto", or
         "exact" for output token for token greedy's where `auto` would verify with plain bf16
-        calls (CPUs without AMX), at the cost of speed; "plain": the model's own forward."""
-        _check(drafter, max_new_tokens, batch_size)  # before the slow load
-        if backend not in KINDS:
-            raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(KINDS)}")
-        self._setup(*load_model(model, dtype=dtype), drafter, max_new_tokens, batch_size, backend)
+        calls (CPUs without AMX), at the cost of speed; "plain": the model's own forward.
+        style: "minimal" edits (default) or "fluent" rewriting (`prompt.STYLES`)."""
+        _check(drafter, max_new_tokens, batch_size, style, backend)  # before the slow load
+        self._setup(*load_model(model, dtype=dtype), drafter, max_new_tokens, batch_size, backend, style)
 
     @classmethod
     def from_loaded(cls, model, tokenizer, drafter: str = "copy", max_new_tokens: int | None = None,
-                    batch_size: int = DEFAULT_BATCH_SIZE, backend: str | Backend = "auto") -> Corrector:
+                    batch_size: int = DEFAULT_BATCH_SIZE, backend: str | Backend = "auto",
+                    style: str = "minimal") -> Corrector:
         """A corrector on an already loaded (model, tokenizer), e.g. shared between tests; backend:
         a kind as in `__init__`, or a `Backend` already chosen for this model."""
-        _check(drafter, max_new_tokens, batch_size)
+        _check(drafter, max_new_tokens, batch_size, style, backend if isinstance(backend, str) else "auto")
         self = cls.__new__(cls)
-        self._setup(model, tokenizer, drafter, max_new_tokens, batch_size, backend)
+        self._setup(model, tokenizer, drafter, max_new_tokens, batch_size, backend, style)
         return self
 
     def _setup(self, model, tokenizer, drafter: str, max_new_tokens: int | None, batch_size: int,
-               backend: str | Backend) -> None:
-        self.model, self.tokenizer = model, tokenizer
+               backend: str | Backend, style: str) -> None:
+        self.model, self.tokenizer, self.style = model, tokenizer, style
         # chosen once for the model, passed to every forward (generate() and the batched engine)
         self.backend = backend if isinstance(backend, Backend) else choose_backend(model, backend)
         self.drafter, self.max_new_tokens, self.batch_size = drafter, max_new_tokens, batch_size
@@ -124,7 +124,7 @@ class Corrector:
         # per segment keeps both inside it (1024 tokens for the presets).
         self.context_limit = min(context_length(model) // 4, MAX_CONTEXT_LIMIT)
         self.prefix_cache = instruction_cache(model, self.backend)
-        self.instruction = instruction_ids(tokenizer)
+        self.instruction = instruction_ids(tokenizer, style)
         self._engine: BatchEngine | None = None  # made on the first batched call
 
     # ---- public API ------------------------------------------------------------------------
@@ -199,7 +199,7 @@ class Corrector:
 
     def _request(self, text: str) -> Request:
         budget = self.max_new_tokens or 2 * self.count_tokens(text) + 16
-        return Request(gec_prompt_ids(self.tokenizer, text), self._make_drafter(text), max_new_tokens=budget)
+        return Request(gec_prompt_ids(self.tokenizer, text, self.style), self._make_drafter(text), max_new_tokens=budget)
 
     def stream(self, text: str) -> Iterator[TextPiece | Correction]:
         """TextPieces of the correction as it is decoded (the whitespace between segments comes
@@ -283,7 +283,12 @@ class Corrector:
         return self._batch_engine().budget.cost(1)
 
 
-def _check(drafter: str, max_new_tokens: int | None, batch_size: int = 1) -> None:
+def _check(drafter: str, max_new_tokens: int | None, batch_size: int = 1, style: str = "minimal",
+           backend: str = "auto") -> None:
+    if style not in STYLES:
+        raise ValueError(f"unknown style {style!r}; use one of {', '.join(STYLES)}")
+    if backend not in KINDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(KINDS)}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if drafter not in DRAFTERS:
