@@ -120,16 +120,17 @@ class PackedWeights:
     saving the model never meets the opaque tensors."""
 
     def __init__(self) -> None:
-        self._by_weight: dict[int, tuple] = {}  # id(weight) -> (weight_state, packed); dropped with the weight
+        # id(weight) -> (a weak reference to it, its weight_state, its packed copy). Nothing here
+        # keeps a weight alive, and nothing on the weight keeps these copies alive: they go with
+        # the backend (a finalizer on the weight would hold them as long as the model lives).
+        self._by_weight: dict[int, tuple] = {}
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         key = weight_state(weight)
         entry = self._by_weight.get(id(weight))
-        if entry is None or entry[0] != key:
-            if entry is None:
-                weakref.finalize(weight, self._by_weight.pop, id(weight), None)
-            entry = self._by_weight[id(weight)] = (key, _pack(weight))
-        return entry[1]
+        if entry is None or entry[0]() is not weight or entry[1] != key:
+            entry = self._by_weight[id(weight)] = (weakref.ref(weight), key, _pack(weight))
+        return entry[2]
 
     def __len__(self) -> int:
         return len(self._by_weight)

@@ -291,6 +291,17 @@ def _run_cmd(args: argparse.Namespace) -> int:
         return 1
     if args.task == "gec-batch":
         return _cmd_gec_batch(args, data)
+    if args.task == "peers":
+        from specsuite.bench_peers import format_peers, run_peers
+
+        report = run_peers(args.model, data, args.n, args.max_new_tokens,
+                           sorted({int(p) for p in args.peer_parallel.split(",")}), Path(args.anchors), args.dtype)
+        print(f"\npeers · {args.model} · n={report['n']} · max_new_tokens={args.max_new_tokens} · "
+              f"{report['torch_threads']} threads · one engine at a time")
+        print(format_peers(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return 0
     if args.task == "rag-serve":
         from specsuite.bench_serve import format_serve, run_rag_serve
 
@@ -351,8 +362,9 @@ def _cmd_gec_batch(args: argparse.Namespace, data: Path) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark our drafters against HF generate() on one model and data set")
-    p.add_argument("task", choices=sorted([*TASKS, "gec-batch", "rag-serve", "serve-load"]),
+    p.add_argument("task", choices=sorted([*TASKS, "gec-batch", "peers", "rag-serve", "serve-load"]),
                    help="gec-batch: sentences/s of a file, the batched engine vs HF generate() on padded batches; "
+                   "peers: our GEC engine vs llama-server and OpenVINO GenAI where installed (specsuite/bench_peers.py); "
                    "rag-serve: N concurrent calls of the RAG app's ask endpoint vs N sequential ones; "
                    "serve-load: a web app under load from concurrent clients (specsuite/bench_serve_load.py)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
@@ -374,6 +386,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=_positive_int, default=3, help="gec-batch, rag-serve: rounds over all methods, their "
                    "order rotated each round; a method's time is its mean (gec-batch's reference hf_greedy_bs1 runs once)")
     p.add_argument("--refs", nargs="+", help="gec-batch: reference files line-aligned with --data, for GLEU")
+    p.add_argument("--peer-parallel", default="1,64", help="peers: requests in flight: 1 (one at a time) and "
+                   "our batch sizes = the peers' parallel slots (default 1,64)")
+    p.add_argument("--anchors", default="../shared/anchors", help="peers: the folder of the peers' scripts")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a chart here (needs matplotlib): speedups; gec-batch: sentences/s by batch size")
     bench_serve_load.add_arguments(p)

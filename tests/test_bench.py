@@ -90,3 +90,23 @@ def test_bench_command_refuses_bad_counts_before_loading_anything(jfleg, capsys)
         with pytest.raises(SystemExit) as exit_:
             main(["bench", "gec-batch", "--data", str(jfleg), flag, "0"])
         assert exit_.value.code == 2 and "expected a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_peers_bench_runs_our_engine_and_names_the_peers_it_lacks(smollm2_fp32, jfleg, monkeypatch, tmp_path):
+    """`bench peers` without installed peers: our one-at-a-time and batched runs on the same
+    prompt ids, each compared token for token with the one-at-a-time (greedy) outputs; the
+    missing peers are named with the command that sets them up."""
+    from specsuite import bench_peers, models
+
+    monkeypatch.setattr(models, "load_model", lambda name, dtype=None: smollm2_fp32)
+    monkeypatch.setattr(bench_peers, "ANCHORS_CACHE", tmp_path / "no-anchors")
+    report = bench_peers.run_peers("smollm2-135m", jfleg, n=4, max_new_tokens=12, parallel=[1, 2],
+                                   anchors=tmp_path / "anchors")
+    configs = report["configs"]
+    assert set(configs) == {"specsuite_one", "specsuite_batch2"} and report["n"] == 4
+    assert configs["specsuite_one"]["identical_to_reference"] == 4  # the reference itself
+    assert 0 <= configs["specsuite_batch2"]["identical_to_reference"] <= 4
+    assert all(f["sent_per_s"] > 0 and f["new_tokens"] > 0 for f in configs.values())
+    assert set(report["missing"]) == {"llama-server", "OpenVINO GenAI"}
+    table = bench_peers.format_peers(report)
+    assert "specsuite_batch2" in table and "not installed: llama-server: bash" in table
