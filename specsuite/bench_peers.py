@@ -100,6 +100,7 @@ def run_peers(model_name: str, data: Path, n: int, max_new_tokens: int = 128, pa
     """The report: every configuration's figures and its outputs' agreement with `specsuite_one`.
     parallel: requests in flight: 1 is one at a time, each larger count is our batch size and the
     peers' parallel slots (llama-server) or requests in flight (OpenVINO)."""
+    from specsuite.apps.gec import prompt
     from specsuite.models import resolve_model_path
 
     sentences = [line.strip() for line in data.read_text(encoding="utf-8").splitlines() if line.strip()][:n]
@@ -118,7 +119,7 @@ def run_peers(model_name: str, data: Path, n: int, max_new_tokens: int = 128, pa
             got, outs = _peer(sys.executable, anchors / "llamacpp_anchor.py",
                               [str(data), str(len(sentences)), "--server", str(server), "--gguf", str(gguf),
                                "--parallel", small, "--spec", "ngram-simple", "--max-new-tokens", str(max_new_tokens),
-                               "--tokenizer", str(models_dir)], Path(tmp) / "llamacpp")
+                               "--tokenizer", str(models_dir), "--prompt-py", prompt.__file__], Path(tmp) / "llamacpp")
             figures.update(got)
             outputs.update(outs)
         else:
@@ -127,7 +128,7 @@ def run_peers(model_name: str, data: Path, n: int, max_new_tokens: int = 128, pa
             got, outs = _peer(str(ov_python), anchors / "ov_anchor.py",  # under its own venv
                               [str(data), str(len(sentences)), "--model", str(ov_model), "--batch", small,
                                "--prompt-lookup", "--max-new-tokens", str(max_new_tokens),
-                               "--tokenizer", str(models_dir)], Path(tmp) / "ov")
+                               "--tokenizer", str(models_dir), "--prompt-py", prompt.__file__], Path(tmp) / "ov")
             figures.update(got)
             outputs.update(outs)
         else:
