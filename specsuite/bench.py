@@ -296,23 +296,17 @@ def _run_cmd(args: argparse.Namespace) -> int:
 
         report = run_peers(args.model, data, args.n, args.max_new_tokens,
                            sorted({int(p) for p in args.peer_parallel.split(",")}), Path(args.anchors), args.dtype)
-        print(f"\npeers · {args.model} · n={report['n']} · max_new_tokens={args.max_new_tokens} · "
-              f"{report['torch_threads']} threads · one engine at a time")
-        print(format_peers(report))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2))
-        return 0
+        return _show(args, report, format_peers(report),
+                     f"peers · {args.model} · n={report['n']} · max_new_tokens={args.max_new_tokens} · "
+                     f"{report['torch_threads']} threads · one engine at a time")
     if args.task == "rag-serve":
         from specsuite.bench_serve import format_serve, run_rag_serve
 
         report = run_rag_serve(args.model, data, args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                                rounds=args.rounds)
-        print(f"\nrag-serve · {args.model} ({report['dtype']}) · {report['n']} questions · k={report['k']} · "
-              f"max_new_tokens={args.max_new_tokens} · mean of {report['rounds']} alternated round(s)")
-        print(format_serve(report))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2))
-        return 0
+        return _show(args, report, format_serve(report),
+                     f"rag-serve · {args.model} ({report['dtype']}) · {report['n']} questions · k={report['k']} · "
+                     f"max_new_tokens={args.max_new_tokens} · mean of {report['rounds']} alternated round(s)")
     report = run_bench(args.task, args.model, data, args.n, args.max_new_tokens, args.draft_model, args.dtype,
                        args.methods.split(",") if args.methods else None, args.tie_margin,
                        not args.no_prefix_cache, args.backend)
@@ -333,6 +327,15 @@ def _run_cmd(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.plot:
         plot(report, Path(args.plot))
+    return 0
+
+
+def _show(args: argparse.Namespace, report: dict, table: str, title: str) -> int:
+    """Print a report's title and table; write it as JSON where --json asks."""
+    print(f"\n{title}")
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
 
 
