@@ -20,8 +20,10 @@ that finished here (PRIOR_STEPS until then).
 from __future__ import annotations
 
 import queue
+import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -39,6 +41,16 @@ LEARN_RATE = 0.2
 # one, so with gradio's default of 40 the 41st concurrent caller, even one to be refused at once,
 # would wait for a thread.
 UI_THREADS = 256
+
+
+def warm_up(what: str, call: Callable[[], object]) -> None:
+    """Run `call` once before a web app listens, through the visitors' path (kernel checks, weight
+    packing, the step cost, the batch's first steps per request), saying so in the log."""
+    start = time.perf_counter()
+    print(f"warming up before serving: kernel checks, weight packing, the step cost, {what}",
+          file=sys.stderr, flush=True)
+    call()
+    print(f"warm-up done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def wait(future: Future, deadline: Deadline):
@@ -179,7 +191,7 @@ class _Plan:
     expected steps (`steps`, at most the request's answer budget). Conservative: the batch is
     priced as if nobody left it early."""
 
-    cost: object
+    cost: Callable[[int], float] | None
     request: Request
     steps_each: float
     rows: float

@@ -56,6 +56,45 @@ def _hf_batches(model, prompts: list[list[int]], batch_size: int, max_new_tokens
     return outs
 
 
+def read_sentences(data: Path, n: int) -> list[str]:
+    """The first `n` non-blank lines of `data`, stripped; ValueError where there are none."""
+    sources = [line.strip() for line in data.read_text(encoding="utf-8").splitlines() if line.strip()][:n]
+    if not sources:
+        raise ValueError(f"no sentences in {data}")
+    return sources
+
+
+class GecRuns:
+    """Our GEC methods on fixed sentences, each a function of sentence indices -> output token ids:
+    `one` (`generate()` one at a time with copy drafts and the instruction's prefix cache where it
+    is lossless, as `gec correct --exact` runs) and `batched(b)` (the engine with b sequences in
+    flight and the instruction's KV shared, as `gec correct` runs)."""
+
+    def __init__(self, model, tok, sources: list[str], max_new_tokens: int, backend) -> None:
+        self.model, self.tok, self.sources, self.max_new_tokens, self.backend = model, tok, sources, max_new_tokens, backend
+        self.eos = sorted(eos_token_ids(model, tok))
+        self.end = [turn_end_token(model, tok)]
+        self.prompts = [gec_prompt_ids(tok, s) for s in sources]
+        self.engine = BatchEngine(model, DEFAULT_BATCH_SIZE, eos_token_id=self.eos, prefix=instruction_ids(tok),
+                                  backend=backend)
+        self.cache = instruction_cache(model, backend)
+
+    def _drafter(self, i: int) -> CopyDrafter:
+        return CopyDrafter.for_text(self.tok, self.sources[i], end_tokens=self.end)
+
+    def one(self, idx: list[int]) -> list[list[int]]:
+        return [generate(self.model, self.prompts[i], self._drafter(i), max_new_tokens=self.max_new_tokens,
+                         eos_token_id=self.eos, prefix_cache=self.cache, backend=self.backend).tokens for i in idx]
+
+    def batched(self, batch_size: int) -> Callable[[list[int]], list[list[int]]]:
+        def run(idx: list[int]) -> list[list[int]]:
+            self.engine.batch_size = batch_size
+            requests = [Request(self.prompts[i], self._drafter(i), max_new_tokens=self.max_new_tokens) for i in idx]
+            out = dict(self.engine.run(requests))
+            return [out[k].tokens for k in range(len(idx))]
+        return run
+
+
 def run_gec_batch(model_name: str, data: Path, n: int, batch_sizes: list[int], max_new_tokens: int = 128,
                   dtype: str | None = None, refs: list[Path] | None = None, methods: list[str] | None = None,
                   rounds: int = 1) -> dict:
@@ -63,30 +102,11 @@ def run_gec_batch(model_name: str, data: Path, n: int, batch_sizes: list[int], m
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     model, tok = load_model(model_name, dtype=dtype)
-    eos = sorted(eos_token_ids(model, tok))
-    end = [turn_end_token(model, tok)]
-    sources = [line.strip() for line in data.read_text(encoding="utf-8").splitlines() if line.strip()][:n]
-    if not sources:
-        raise ValueError(f"no sentences in {data}")
-    prompts = [gec_prompt_ids(tok, s) for s in sources]
+    sources = read_sentences(data, n)
     backend = choose_backend(model)
-    engine = BatchEngine(model, DEFAULT_BATCH_SIZE, eos_token_id=eos, prefix=instruction_ids(tok), backend=backend)
-    cache = instruction_cache(model, backend)
-
-    def copy_drafter(s: str) -> CopyDrafter:
-        return CopyDrafter.for_text(tok, s, end_tokens=end)
-
-    def spec_copy(idx: list[int]) -> list[list[int]]:
-        return [generate(model, prompts[i], copy_drafter(sources[i]), max_new_tokens=max_new_tokens,
-                         eos_token_id=eos, prefix_cache=cache, backend=backend).tokens for i in idx]
-
-    def spec_batch(batch_size: int) -> Callable[[list[int]], list[list[int]]]:
-        def run(idx: list[int]) -> list[list[int]]:
-            engine.batch_size = batch_size
-            requests = [Request(prompts[i], copy_drafter(sources[i]), max_new_tokens=max_new_tokens) for i in idx]
-            out = dict(engine.run(requests))
-            return [out[k].tokens for k in range(len(idx))]
-        return run
+    ours = GecRuns(model, tok, sources, max_new_tokens, backend)
+    prompts, eos, end = ours.prompts, ours.eos, ours.end
+    spec_copy, spec_batch = ours.one, ours.batched
 
     corrector = Corrector.from_loaded(model, tok, max_new_tokens=max_new_tokens, backend=backend)
 

@@ -33,43 +33,24 @@ def _ours(model_name: str, sentences: list[str], max_new_tokens: int, batch_size
     """Our engine's runs: {config: figures}, {config: output token ids}, the EOS ids, the backend."""
     import torch
 
-    from specsuite.apps.gec.drafter import CopyDrafter
-    from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_ids
-    from specsuite.core import eos_token_ids, generate, turn_end_token
+    from specsuite.bench_batch import WARMUP, GecRuns
     from specsuite.core.backend import choose_backend
-    from specsuite.core.engine import BatchEngine, Request
     from specsuite.models import load_model
 
     model, tok = load_model(model_name, dtype=dtype)
     backend = choose_backend(model)
-    eos = eos_token_ids(model, tok)
-    end = [turn_end_token(model, tok)]
-    prompts = [gec_prompt_ids(tok, s) for s in sentences]
-
-    def drafter(s: str) -> CopyDrafter:
-        return CopyDrafter.for_text(tok, s, end_tokens=end)
-
-    def one(idx: range) -> list[list[int]]:
-        return [generate(model, prompts[i], drafter(sentences[i]), max_new_tokens=max_new_tokens,
-                         eos_token_id=sorted(eos), backend=backend).tokens for i in idx]
-
-    def batched(b: int, idx: range) -> list[list[int]]:
-        engine = BatchEngine(model, b, eos_token_id=sorted(eos), prefix=instruction_ids(tok), backend=backend)
-        requests = [Request(prompts[i], drafter(sentences[i]), max_new_tokens=max_new_tokens) for i in idx]
-        done = dict(engine.run(requests))
-        return [done[k].tokens for k in range(len(requests))]
-
-    runs = {"specsuite_one": one, **{f"specsuite_batch{b}": (lambda idx, b=b: batched(b, idx)) for b in batch_sizes}}
+    ours = GecRuns(model, tok, sentences, max_new_tokens, backend)
+    runs = {"specsuite_one": ours.one, **{f"specsuite_batch{b}": ours.batched(b) for b in batch_sizes}}
     figures, outputs = {}, {}
-    warm = range(min(2, len(sentences)))
+    everything = list(range(len(sentences)))
     for name, run in runs.items():
-        run(warm)  # kernel checks, weight packing, the step cost: paid once, as by a running service
+        run(everything[:WARMUP])  # kernel checks, weight packing, the step cost: paid once, as by a running service
         start = time.perf_counter()
-        outputs[name] = run(range(len(sentences)))
+        outputs[name] = run(everything)
         figures[name] = _figures(time.perf_counter() - start, outputs[name])
     figures["specsuite_one"]["backend"] = backend.label
     figures["torch_threads"] = torch.get_num_threads()
-    return figures, outputs, eos, backend.label
+    return figures, outputs, set(ours.eos), backend.label
 
 
 def _figures(seconds: float, outputs: list[list[int]]) -> dict:
@@ -101,11 +82,10 @@ def run_peers(model_name: str, data: Path, n: int, max_new_tokens: int = 128, pa
     parallel: requests in flight: 1 is one at a time, each larger count is our batch size and the
     peers' parallel slots (llama-server) or requests in flight (OpenVINO)."""
     from specsuite.apps.gec import prompt
+    from specsuite.bench_batch import read_sentences
     from specsuite.models import resolve_model_path
 
-    sentences = [line.strip() for line in data.read_text(encoding="utf-8").splitlines() if line.strip()][:n]
-    if not sentences:
-        raise ValueError(f"no sentences in {data}")
+    sentences = read_sentences(data, n)
     figures, outputs, eos, backend = _ours(model_name, sentences, max_new_tokens, [p for p in parallel if p > 1], dtype)
     report = {"model": model_name, "n": len(sentences), "max_new_tokens": max_new_tokens, "reference": "specsuite_one",
               "reference_backend": backend, "torch_threads": figures.pop("torch_threads"), "configs": figures,

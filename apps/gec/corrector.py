@@ -25,7 +25,7 @@ from specsuite.models import DEFAULT_MODEL, load_model
 from .drafter import CopyDrafter
 from .edits import Edit, word_diff
 from .limits import check_source
-from .prompt import STYLES, gec_prompt_ids, instruction_cache, instruction_ids
+from .prompt import check_style, gec_prompt_ids, instruction_cache, instruction_ids
 from .segment import Segment, join_segments, split_segments
 
 DRAFTERS = ("copy", "prompt-lookup", "none")
@@ -107,7 +107,7 @@ class Corrector:
                     style: str = "minimal") -> Corrector:
         """A corrector on an already loaded (model, tokenizer), e.g. shared between tests; backend:
         a kind as in `__init__`, or a `Backend` already chosen for this model."""
-        _check(drafter, max_new_tokens, batch_size, style, backend if isinstance(backend, str) else "auto")
+        _check(drafter, max_new_tokens, batch_size, style)  # a backend kind: choose_backend checks it
         self = cls.__new__(cls)
         self._setup(model, tokenizer, drafter, max_new_tokens, batch_size, backend, style)
         return self
@@ -285,8 +285,7 @@ class Corrector:
 
 def _check(drafter: str, max_new_tokens: int | None, batch_size: int = 1, style: str = "minimal",
            backend: str = "auto") -> None:
-    if style not in STYLES:
-        raise ValueError(f"unknown style {style!r}; use one of {', '.join(STYLES)}")
+    check_style(style)
     if backend not in KINDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(KINDS)}")
     if not isinstance(batch_size, int) or batch_size < 1:

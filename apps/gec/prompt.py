@@ -31,11 +31,15 @@ FLUENT = (
 STYLES = {"minimal": SYSTEM, "fluent": FLUENT}
 
 
-def gec_messages(text: str, style: str = "minimal") -> list[dict[str, str]]:
-    """The chat: the instruction of `style` ("minimal" or "fluent"), then `text` to correct."""
+def check_style(style: str) -> str:
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; use one of {', '.join(STYLES)}")
-    return [{"role": "system", "content": STYLES[style]}, {"role": "user", "content": text}]
+    return style
+
+
+def gec_messages(text: str, style: str = "minimal") -> list[dict[str, str]]:
+    """The chat: the instruction of `style` ("minimal" or "fluent"), then `text` to correct."""
+    return [{"role": "system", "content": STYLES[check_style(style)]}, {"role": "user", "content": text}]
 
 
 def gec_prompt_ids(tokenizer, text: str, style: str = "minimal") -> list[int]:

@@ -18,9 +18,7 @@ size above 1 the corrections of concurrent users decode together in one running 
 from __future__ import annotations
 
 import os
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from html import escape
@@ -30,6 +28,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 import gradio as gr
 
 from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, Deadline, InputError, TimeBudgetExceeded, admit, check_limit
+from specsuite.apps import serving
 from specsuite.apps.serving import UI_THREADS, BatchServer, wait
 from specsuite.core import TextPiece
 from specsuite.core.engine import BatchEngine, engine_supports
@@ -149,12 +148,7 @@ def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_B
         return correction
 
     if warm_up:
-        start = time.perf_counter()
-        print("warming up before serving: kernel checks, weight packing, the step cost, one short correction",
-              file=sys.stderr, flush=True)
-        for _ in corrections(demo_sentences()[0]):
-            pass
-        print(f"warm-up done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        serving.warm_up("one short correction", lambda: list(corrections(demo_sentences()[0])))
 
     def run(text: str) -> Iterator[tuple[str, str, str]]:
         pieces: list[TextPiece] = []

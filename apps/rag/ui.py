@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import html
 import re
-import sys
-import time
 from typing import Any, Iterator, Sequence
 
 import gradio as gr
 
 from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, InputError, TimeBudgetExceeded, check_limit
+from specsuite.apps.serving import warm_up as warm_up_app
 from specsuite.core import TextPiece
 
 from .qa import Claim, RagQA, Scored, passage_body
@@ -140,11 +139,7 @@ def build_app(qa: RagQA, k: int = 5, time_budget_s: float | None = DEFAULT_TIME_
     visitor does not pay for them."""
     check_limit(time_budget_s, "the time budget")
     if warm_up:
-        start = time.perf_counter()
-        print("warming up before serving: kernel checks, weight packing, the step cost, one question",
-              file=sys.stderr, flush=True)
-        qa.ask(WARM_UP_QUESTION, k)
-        print(f"warm-up done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        warm_up_app("one question", lambda: qa.ask(WARM_UP_QUESTION, k))
 
     def run(question: str, k: float) -> Iterator[tuple[Any, Any, Any]]:
         try:
