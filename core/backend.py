@@ -91,9 +91,9 @@ class Backend:
     steps compute as plain decoding's do. lossless_prefix_cache: a prefix cache leaves the output
     unchanged. exact_attention: with `exact_rows`, the attention rounds draft rows as one-token
     steps too (else one sdpa call). screen: greedy forwards take their logits from this bf16
-    screen of the model's output layer (logit_screen.py; None: from the layer). engine_block: the
-    batched engine computes all rows of its forwards as one block (the prefill's form); False: in
-    the draft rows' form (`plain-packed`: on packed weights). packed: the weights packed for
+    screen of the model's output layer (logit_screen.py; None: from the layer). engine_linear: the
+    form of every row of the batched engine's forwards (`packed_rows`: on the packed weights);
+    None: all rows as one block in `linear`'s form (a prefill's). packed: the weights packed for
     oneDNN that `linear` runs on, this backend's own (`owned`; None in the kinds below, which
     are templates: their calls would pack the weights every time).
     """
@@ -109,7 +109,7 @@ class Backend:
     draft_cost: StepCost | None = None
     exact_attention: bool = True
     screen: LogitScreen | None = field(default=None, compare=False, repr=False)
-    engine_block: bool = True
+    engine_linear: Callable | None = None
     packed: PackedWeights | None = field(default=None, compare=False, repr=False)
 
     def owned(self) -> Backend:
@@ -125,6 +125,12 @@ class Backend:
         """How one forward of `total` rows, whose first `block` run as a prefill does, computes
         them (None: as the model's own forward does)."""
         return RowPlan(block, total, self.linear, self.exact_attention, self.packed) if self.exact_rows else None
+
+    def engine_plan(self, rows: int) -> RowPlan | None:
+        """How one forward of the batched engine computes its `rows` rows (`engine_linear`)."""
+        if self.engine_linear is not None:
+            return RowPlan(0, rows, self.engine_linear, False, self.packed)
+        return self.plan(rows, rows)
 
     def forward(self, model, fresh: list[int], cache: DynamicCache, past: int, draft: Draft | None,
                 greedy_margin: float | None = None) -> torch.Tensor:
@@ -166,6 +172,10 @@ class Backend:
 # steps of 100 JFLEG sentences drafted more; capped, the same outputs took 0.6% less time (ad-hoc
 # A/B, alternated).
 EXACT_BF16 = Backend("exact-bf16", bf16_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(PLAIN_ROWS - 1,))
+# The batched engine's rows round as no one-token step does anyway (batched rows, see engine.py), so
+# where oneDNN runs on packed weights `choose_backend` gives them all the packed weights
+# (`engine_linear`), which skips the repacking of every plain call: 128 JFLEG corrections at batch
+# 64 (Qwen2.5-0.5B, AMX CPU) took 1.2x less time, the same tokens (docs/benchmarks.md).
 # Where a layer rounds as one-row calls in cheap column-major calls only up to fewer rows
 # (`exact_linear.short_call_rows`), drafts are capped to fit them. Qwen2.5-1.5B's down projection
 # on the AMX CPU: 2-15 rows column-major, 192 padded columns beyond; a verify forward of 12 rows
@@ -194,7 +204,7 @@ PLAIN_TIE_MARGIN = {torch.float32: 1e-3}
 # packed weights: 50 JFLEG sentences at batch size 64 (Qwen2.5-0.5B) took 1.2x less time, with the
 # same 45 of 50 identical to greedy (ad-hoc A/B, 3 rounds alternated).
 PLAIN_PACKED = Backend("plain-packed", packed_rows, exact_rows=True, tie_margin=0.0, exact_attention=False,
-                       engine_block=False)
+                       engine_linear=packed_rows)
 
 
 def plain_backend(dtype: torch.dtype) -> Backend:
@@ -227,7 +237,8 @@ def _choose(model, kind: str) -> Backend:
     costs = None if kind == "exact" else bf16_form_costs(model)
     if costs is None or _exact_within_overhead(costs):
         rows = short_call_rows(model)
-        return replace(EXACT_BF16, draft_sizes=(rows - 1,)) if MIN_SHORT_CALL_ROWS <= rows < PLAIN_ROWS else EXACT_BF16
+        exact = replace(EXACT_BF16, draft_sizes=(rows - 1,)) if MIN_SHORT_CALL_ROWS <= rows < PLAIN_ROWS else EXACT_BF16
+        return replace(exact, engine_linear=packed_rows) if packed_bf16_runs() else exact
     if costs.get(PLAIN_PACKED.name, float("inf")) < costs[PLAIN.name]:
         return PLAIN_PACKED
     return plain_backend(model.dtype)

@@ -72,7 +72,8 @@ def slot_step_cost(store, batch_size: int, rows: Iterable[int] = (1, 2, 4, 8, 16
     tokens; median of `reps`), or an earlier measurement of the same machine, model, dtype and
     backend read from disk."""
     rows = sorted(set(rows))
-    path = cost_file(store.model, cache_dir, measure=f"engine:{store.backend.name}")
+    # "v2" since exact-bf16 batches run on packed weights (backend.EXACT_BF16): cheaper steps
+    path = cost_file(store.model, cache_dir, measure=f"engine v2:{store.backend.name}")
     if (kept := StepCost.load(path, rows)) is not None:
         return kept
     vocab = min(store.model.config.vocab_size, 32000)

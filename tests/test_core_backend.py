@@ -6,6 +6,8 @@ choice of "auto" in bf16 is checked against cost files written here, not against
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -26,7 +28,8 @@ def test_each_dtype_and_attention_gets_its_kind():
     assert plain.name == "plain" and plain.tie_margin == 1e-3 and plain.lossless_prefix_cache
     assert choose_backend(tiny_model("llama", "eager")).name == "plain"  # not forward.py's: the model's own forward
     bf16 = tiny_model("llama").to(torch.bfloat16)
-    assert choose_backend(bf16, "exact") == EXACT_BF16 and EXACT_BF16.tie_margin == 0
+    exact = choose_backend(bf16, "exact")
+    assert replace(exact, engine_linear=None) == EXACT_BF16 and EXACT_BF16.tie_margin == 0
     assert choose_backend(bf16, "plain").tie_margin == PLAIN.tie_margin == 0  # a redo inherits drifted KV
     assert not choose_backend(bf16, "plain").lossless_prefix_cache
     assert choose_backend(tiny_model("llama").to(torch.float16)).name == "plain"
@@ -52,7 +55,7 @@ def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monk
             StepCost(dict.fromkeys(rows, secs)).save(paths[name])
         chosen = choose_backend(model)
         assert chosen.name == (expected if expected in names else "plain")
-        assert chosen == EXACT_BF16 if expected == "exact-bf16" else chosen.tie_margin == 0
+        assert replace(chosen, engine_linear=None) == EXACT_BF16 if expected == "exact-bf16" else chosen.tie_margin == 0
 
 
 def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, monkeypatch):
@@ -104,6 +107,23 @@ def test_the_backend_is_the_callers_and_the_model_stays_as_it_was(tmp_path, monk
         assert len(exact.packed) == kept
     plain = generate(model, p, max_new_tokens=4, eos_token_id=[], backend=choose_backend(model, "plain"))
     assert plain.stats.backend == "plain" and plain.tokens == out.tokens
+
+
+def test_exact_bf16_batches_run_on_the_packed_weights(tmp_path, monkeypatch):
+    """Batched rows round as no one-token step does anyway: where oneDNN runs on packed weights, the
+    engine of an `exact-bf16` backend runs every row on them (a plain call repacks the weights every
+    time), each weight packed once; each sequence is still greedy's on tiny models."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny_model("llama", max_positions=512).to(torch.bfloat16)
+    backend = choose_backend(model, "exact")
+    assert backend.engine_linear is (packed_rows if packed_bf16_runs() else None)
+    ps = prompts(6, seed=26, lengths=(3, 120))
+    truths = [hf_greedy(model, p, 30) for p in ps]
+    engine = BatchEngine(model, 3, eos_token_id=[], cost=StepCost({1: 1.0, 512: 1.0}), backend=backend)
+    requests = [Request(p, OracleTreeDrafter(p, t, seed=i), max_new_tokens=30) for i, (p, t) in enumerate(zip(ps, truths))]
+    assert [g.tokens for _, g in sorted(engine.run(requests), key=lambda r: r[0])] == truths
+    weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert len(backend.packed) == (len(weights) if packed_bf16_runs() else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -39,3 +39,24 @@ def test_cache_forward_equals_the_models_own_forward(kind, dtype, monkeypatch):
 
 def test_forward_leaves_eager_attention_to_the_model():
     assert not llama.supports(tiny_model("llama", "eager"))
+
+
+@pytest.mark.parametrize("where", [[0, 2, 3], [9, 0, 4]])
+def test_slots_with_gaps_compute_as_contiguous_slots(where):
+    """The batched forward reads the cache slots of a step as one view where the sequences in
+    flight fill at least half of them (the gaps padded), else by index: the same logits either way."""
+    model = tiny_model("qwen2")
+    backend = plain_backend(model.dtype)
+    layers = model.config.num_hidden_layers
+    kv, dim = model.config.num_key_value_heads, model.model.layers[0].self_attn.head_dim
+    ps = [p[:n] for p, n in zip(([3, 5, 7, 11] * 8, [2, 4, 6] * 8, [1, 9] * 12), (4, 20, 11))]  # short and long
+
+    def run(slots: list[int]) -> list[torch.Tensor]:
+        keys = [torch.zeros(10, kv, 64, dim) for _ in range(layers)]
+        values = [torch.zeros(10, kv, 64, dim) for _ in range(layers)]
+        prefill = llama.forward(model, backend, keys, values, [llama.Rows(0, p) for p in ps], [None] * 3, where=slots)
+        step = llama.forward(model, backend, keys, values, [llama.Rows(len(p), [5]) for p in ps],
+                             [Draft.chain([6, 7]), None, Draft.chain([8])], where=slots)
+        return [prefill, step]
+
+    assert all(torch.equal(a, b) for a, b in zip(run([0, 1, 2]), run(where)))
