@@ -13,7 +13,8 @@ import torch
 
 from specsuite.core import PromptLookupDrafter, generate
 from specsuite.core.backend import (
-    AFFORDABILITY_ROWS, EXACT_BF16, EXACT_VS_PLAIN, FP32_CPU, PLAIN, choose_backend, exact_is_affordable, fp32_forms,
+    AFFORDABILITY_ROWS, EXACT_BF16, EXACT_VS_PLAIN, FP32_CPU, PLAIN, _disturbed, choose_backend, exact_is_affordable,
+    fp32_forms,
 )
 from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, packed_bf16_runs, packed_rows
 from specsuite.core.draft_budget import StepCost, cost_file
@@ -56,6 +57,15 @@ def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monk
         chosen = choose_backend(model)
         assert chosen.name == (expected if expected in names else "plain")
         assert replace(chosen, engine_linear=None) == EXACT_BF16 if expected == "exact-bf16" else chosen.tie_margin == 0
+        assert chosen.engine_linear is (packed_rows if packed_bf16_runs() else None)  # batches: packed, any kind
+
+
+def test_a_timing_where_more_rows_cost_less_is_taken_again():
+    """A forward of more rows costing under 0.8 of one of fewer rows in the same form means the
+    machine was busy while timing: such a measurement is not kept (`_measured` times again)."""
+    assert not _disturbed({"exact-bf16": {1: 0.21, 9: 0.23, 17: 0.30}, "plain": {1: 0.26, 9: 0.25, 17: 0.27}})
+    assert _disturbed({"exact-bf16": {1: 0.21, 9: 0.23, 17: 0.30}, "plain": {1: 0.68, 9: 0.55, 17: 0.82}})
+    assert _disturbed({"plain": {1: 1.0, 2: 1.1, 4: 0.7}})  # against any earlier count, not only the last
 
 
 def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, monkeypatch):
