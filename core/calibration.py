@@ -72,7 +72,7 @@ def slot_step_cost(store, batch_size: int, rows: Iterable[int] = (1, 2, 4, 8, 16
     tokens; median of `reps`), or an earlier measurement of the same machine, model, dtype and
     backend read from disk."""
     rows = sorted(set(rows))
-    # "v2" since exact-bf16 batches run on packed weights (backend.EXACT_BF16): cheaper steps
+    # "v2" since batches in bf16 run on packed weights (`Backend.engine_linear`): cheaper steps
     path = cost_file(store.model, cache_dir, measure=f"engine v2:{store.backend.name}")
     if (kept := StepCost.load(path, rows)) is not None:
         return kept
