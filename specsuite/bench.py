@@ -295,15 +295,16 @@ def _run_cmd(args: argparse.Namespace) -> int:
         from specsuite.bench_peers import format_peers, run_peers
 
         report = run_peers(args.model, data, args.n, args.max_new_tokens,
-                           sorted({int(p) for p in args.peer_parallel.split(",")}), Path(args.anchors), args.dtype)
+                           sorted({int(p) for p in args.peer_parallel.split(",")}), Path(args.anchors), args.dtype,
+                           args.rounds or 1, args.deciding_only)
         return _show(args, report, format_peers(report),
                      f"peers · {args.model} · n={report['n']} · max_new_tokens={args.max_new_tokens} · "
-                     f"{report['torch_threads']} threads · one engine at a time")
+                     f"{report['torch_threads']} threads · one engine at a time, {len(report['rounds'])} round(s)")
     if args.task == "rag-serve":
         from specsuite.bench_serve import format_serve, run_rag_serve
 
         report = run_rag_serve(args.model, data, args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
-                               rounds=args.rounds)
+                               rounds=args.rounds or 3)
         return _show(args, report, format_serve(report),
                      f"rag-serve · {args.model} ({report['dtype']}) · {report['n']} questions · k={report['k']} · "
                      f"max_new_tokens={args.max_new_tokens} · mean of {report['rounds']} alternated round(s)")
@@ -351,7 +352,7 @@ def _cmd_gec_batch(args: argparse.Namespace, data: Path) -> int:
         return 2
     report = run_gec_batch(args.model, data, args.n, sizes, args.max_new_tokens, args.dtype,
                            [Path(r) for r in args.refs or []], args.methods.split(",") if args.methods else None,
-                           args.rounds)
+                           args.rounds or 3)
     print(f"\ngec-batch · {args.model} ({report['dtype']}) · n={report['n']} · max_new_tokens={args.max_new_tokens} · "
           f"{report['torch_threads']} threads · spec_batch = batch size {report['default_batch_size']} · "
           f"mean of {report['rounds']} alternated round(s)")
@@ -386,11 +387,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gec: our methods compute the shared instruction for every sentence, as HF's do")
     p.add_argument("--batch-sizes", default="1,8,16,32", help="gec-batch: the batch sizes of HF generate() and of "
                    "the engine (default 1,8,16,32)")
-    p.add_argument("--rounds", type=_positive_int, default=3, help="gec-batch, rag-serve: rounds over all methods, their "
-                   "order rotated each round; a method's time is its mean (gec-batch's reference hf_greedy_bs1 runs once)")
+    p.add_argument("--rounds", type=_positive_int, help="gec-batch, rag-serve (default 3): rounds over all methods, their "
+                   "order rotated each round; a method's time is its mean (gec-batch's reference hf_greedy_bs1 runs "
+                   "once); peers (default 1): our engine then each peer, again, each round its own table")
     p.add_argument("--refs", nargs="+", help="gec-batch: reference files line-aligned with --data, for GLEU")
     p.add_argument("--peer-parallel", default="1,64", help="peers: requests in flight: 1 (one at a time) and "
                    "our batch sizes = the peers' parallel slots (default 1,64)")
+    p.add_argument("--deciding-only", action="store_true", help="peers: only each peer's configurations our ratios "
+                   "are taken against (its speculation one at a time, its plain batches)")
     p.add_argument("--anchors", default="../shared/anchors", help="peers: the folder of the peers' scripts")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a chart here (needs matplotlib): speedups; gec-batch: sentences/s by batch size")

@@ -12,8 +12,11 @@ most `max_new_tokens` new tokens, 2 threads, one engine at a time:
   slots, and OpenVINO GenAI's continuous batching (`ov_...`, plain and with prompt lookup) with B
   requests in flight. Each runs through the anchors' own script, as a subprocess, on the same ids.
 
-Prints one table: sentences/s, new tokens/s, how many outputs are the reference's tokens, and our
-best figure against each row. A peer that is not installed is named with the command that sets it up.
+Prints one table per round: sentences/s, new tokens/s, how many outputs are the reference's tokens,
+and our best figure against each row of the same round (rounds alternate the engines, as this
+machine's speed drifts by tens of percent within half an hour). `deciding_only` runs only each
+peer's configurations our ratios are taken against. A peer that is not installed is named with the
+command that sets it up.
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ from pathlib import Path
 ANCHORS_CACHE = Path.home() / ".cache" / "specsuite-anchors"
 
 
-def _ours(model_name: str, sentences: list[str], max_new_tokens: int, batch_sizes: list[int],
-          dtype: str | None) -> tuple[dict[str, dict], dict[str, list[list[int]]], set[int], str]:
-    """Our engine's runs: {config: figures}, {config: output token ids}, the EOS ids, the backend."""
+def _our_runs(model_name: str, sentences: list[str], max_new_tokens: int, batch_sizes: list[int],
+              dtype: str | None) -> tuple[dict, set[int], str, int]:
+    """Our engine's configurations {name: run}, the EOS ids, the backend's label and torch's threads."""
     import torch
 
-    from specsuite.bench_batch import WARMUP, GecRuns
+    from specsuite.bench_batch import GecRuns
     from specsuite.core.backend import choose_backend
     from specsuite.models import load_model
 
@@ -41,16 +44,21 @@ def _ours(model_name: str, sentences: list[str], max_new_tokens: int, batch_size
     backend = choose_backend(model)
     ours = GecRuns(model, tok, sentences, max_new_tokens, backend)
     runs = {"specsuite_one": ours.one, **{f"specsuite_batch{b}": ours.batched(b) for b in batch_sizes}}
+    return runs, set(ours.eos), backend.label, torch.get_num_threads()
+
+
+def _time_ours(runs: dict, n: int) -> tuple[dict[str, dict], dict[str, list[list[int]]]]:
+    """One timed pass of each of our configurations over the n sentences."""
+    from specsuite.bench_batch import WARMUP
+
     figures, outputs = {}, {}
-    everything = list(range(len(sentences)))
+    everything = list(range(n))
     for name, run in runs.items():
         run(everything[:WARMUP])  # kernel checks, weight packing, the step cost: paid once, as by a running service
         start = time.perf_counter()
         outputs[name] = run(everything)
         figures[name] = _figures(time.perf_counter() - start, outputs[name])
-    figures["specsuite_one"]["backend"] = backend.label
-    figures["torch_threads"] = torch.get_num_threads()
-    return figures, outputs, set(ours.eos), backend.label
+    return figures, outputs
 
 
 def _figures(seconds: float, outputs: list[list[int]]) -> dict:
@@ -76,43 +84,71 @@ def _peer(python: str, script: Path, args: list[str], out: Path) -> tuple[dict[s
     return figures, outputs
 
 
+def _peer_calls(parallel: list[int], deciding_only: bool) -> list[tuple[list[str], list[str]]]:
+    """(llama-server arguments, OpenVINO arguments) of each pair of peer calls. All configurations:
+    one call each. deciding_only: only the configurations our ratios are taken against, which were
+    each peer's fastest in every run so far: its speculation one at a time, its plain batches."""
+    one, batches = [p for p in parallel if p == 1], ",".join(str(p) for p in parallel if p > 1)
+    if not deciding_only:
+        every = ",".join(map(str, parallel))
+        return [(["--parallel", every, "--spec", "ngram-simple"], ["--batch", every, "--prompt-lookup"])]
+    calls = [(["--parallel", "1", "--spec", "ngram-simple", "--no-baseline"],
+              ["--batch", "1", "--prompt-lookup", "--no-baseline"])] if one else []
+    return calls + ([(["--parallel", batches], ["--batch", batches])] if batches else [])
+
+
 def run_peers(model_name: str, data: Path, n: int, max_new_tokens: int = 128, parallel: list[int] = (1, 64),
-              anchors: Path = Path("../shared/anchors"), dtype: str | None = None) -> dict:
-    """The report: every configuration's figures and its outputs' agreement with `specsuite_one`.
+              anchors: Path = Path("../shared/anchors"), dtype: str | None = None, rounds: int = 1,
+              deciding_only: bool = False) -> dict:
+    """The report: for each round, every configuration's figures and its outputs' agreement with that
+    round's `specsuite_one`, and our figures against each peer's of the same round.
     parallel: requests in flight: 1 is one at a time, each larger count is our batch size and the
-    peers' parallel slots (llama-server) or requests in flight (OpenVINO)."""
+    peers' parallel slots (llama-server) or requests in flight (OpenVINO). rounds: our engine, then
+    each peer, again and again: the machine's speed drifts over minutes, so a ratio is only taken
+    between figures of one round."""
     from specsuite.apps.gec import prompt
     from specsuite.bench_batch import read_sentences
     from specsuite.models import resolve_model_path
 
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     sentences = read_sentences(data, n)
-    figures, outputs, eos, backend = _ours(model_name, sentences, max_new_tokens, [p for p in parallel if p > 1], dtype)
+    runs, eos, backend, threads = _our_runs(model_name, sentences, max_new_tokens, [p for p in parallel if p > 1], dtype)
     report = {"model": model_name, "n": len(sentences), "max_new_tokens": max_new_tokens, "reference": "specsuite_one",
-              "reference_backend": backend, "torch_threads": figures.pop("torch_threads"), "configs": figures,
-              "missing": {}}
-    small = ",".join(map(str, parallel))
+              "reference_backend": backend, "torch_threads": threads, "rounds": [], "missing": {}}
     models_dir = resolve_model_path(model_name)  # the tokenizer of the prompt ids
     gguf, server = ANCHORS_CACHE / f"{model_name}.gguf", ANCHORS_CACHE / "llama.cpp/build/bin/llama-server"
     ov_python, ov_model = ANCHORS_CACHE / "ov-venv/bin/python", ANCHORS_CACHE / f"ov-{model_name}-fp16"
-    with tempfile.TemporaryDirectory() as tmp:
-        if server.is_file() and gguf.is_file() and (anchors / "llamacpp_anchor.py").is_file():
-            got, outs = _peer(sys.executable, anchors / "llamacpp_anchor.py",
-                              [str(data), str(len(sentences)), "--server", str(server), "--gguf", str(gguf),
-                               "--parallel", small, "--spec", "ngram-simple", "--max-new-tokens", str(max_new_tokens),
-                               "--tokenizer", str(models_dir), "--prompt-py", prompt.__file__], Path(tmp) / "llamacpp")
-            figures.update(got)
-            outputs.update(outs)
-        else:
-            report["missing"]["llama-server"] = f"bash {anchors / 'setup_llama_server.sh'} (builds it, joins the 0.5B GGUF)"
-        if ov_python.is_file() and ov_model.is_dir() and (anchors / "ov_anchor.py").is_file():
-            got, outs = _peer(str(ov_python), anchors / "ov_anchor.py",  # under its own venv
-                              [str(data), str(len(sentences)), "--model", str(ov_model), "--batch", small,
-                               "--prompt-lookup", "--max-new-tokens", str(max_new_tokens),
-                               "--tokenizer", str(models_dir), "--prompt-py", prompt.__file__], Path(tmp) / "ov")
-            figures.update(got)
-            outputs.update(outs)
-        else:
-            report["missing"]["OpenVINO GenAI"] = f"bash {anchors / 'setup_openvino.sh'} (its venv and the IR of the preset)"
+    has_llama = server.is_file() and gguf.is_file() and (anchors / "llamacpp_anchor.py").is_file()
+    has_ov = ov_python.is_file() and ov_model.is_dir() and (anchors / "ov_anchor.py").is_file()
+    if not has_llama:
+        report["missing"]["llama-server"] = f"bash {anchors / 'setup_llama_server.sh'} (builds it, joins the 0.5B GGUF)"
+    if not has_ov:
+        report["missing"]["OpenVINO GenAI"] = f"bash {anchors / 'setup_openvino.sh'} (its venv and the IR of the preset)"
+    common = ["--max-new-tokens", str(max_new_tokens), "--tokenizer", str(models_dir), "--prompt-py", prompt.__file__]
+    for _ in range(rounds):
+        figures, outputs = _time_ours(runs, len(sentences))
+        with tempfile.TemporaryDirectory() as tmp:
+            for k, (llama_args, ov_args) in enumerate(_peer_calls(parallel, deciding_only)):
+                if has_llama:
+                    got, outs = _peer(sys.executable, anchors / "llamacpp_anchor.py",
+                                      [str(data), str(len(sentences)), "--server", str(server), "--gguf", str(gguf),
+                                       *llama_args, *common], Path(tmp) / f"llamacpp{k}")
+                    figures.update(got)
+                    outputs.update(outs)
+                if has_ov:  # under its own venv
+                    got, outs = _peer(str(ov_python), anchors / "ov_anchor.py",
+                                      [str(data), str(len(sentences)), "--model", str(ov_model), *ov_args, *common],
+                                      Path(tmp) / f"ov{k}")
+                    figures.update(got)
+                    outputs.update(outs)
+        report["rounds"].append(_compare(figures, outputs, eos))
+    return report
+
+
+def _compare(figures: dict[str, dict], outputs: dict[str, list[list[int]]], eos: set[int]) -> dict[str, dict]:
+    """A round's figures with each configuration's outputs compared with `specsuite_one`'s, and our
+    one-at-a-time figure against each one-at-a-time peer, our best batch against each batched one."""
     reference = [_strip(t, eos) for t in outputs["specsuite_one"]]
     for name, out in outputs.items():
         figures[name]["identical_to_reference"] = sum(_strip(t, eos) == r for t, r in zip(out, reference))
@@ -122,7 +158,7 @@ def run_peers(model_name: str, data: Path, n: int, max_new_tokens: int = 128, pa
         if not name.startswith("specsuite"):
             one_at_a_time = f.get("parallel", f.get("batch", 0)) == 1
             f["ours_vs_this"] = round((best_one if one_at_a_time else best_batch) / f["sent_per_s"], 2)
-    return report
+    return figures
 
 
 def _strip(tokens: list[int], eos: set[int]) -> list[int]:
@@ -131,13 +167,16 @@ def _strip(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 def format_peers(report: dict) -> str:
-    n = report["n"]
-    lines = [f"{'config':<34} {'sent/s':>8} {'tok/s':>8} {'same as ref':>12} {'ours vs this':>13}"]
-    for name, f in sorted(report["configs"].items(), key=lambda kv: -kv[1]["sent_per_s"]):
-        vs = f"{f['ours_vs_this']:.2f}x" if "ours_vs_this" in f else ""
-        lines.append(f"{name:<34} {f['sent_per_s']:>8.2f} {f['tok_per_s']:>8.1f} "
-                     f"{f.get('identical_to_reference', 0):>7}/{n:<4} {vs:>13}")
+    n, lines = report["n"], []
+    for r, configs in enumerate(report["rounds"], 1):
+        if len(report["rounds"]) > 1:
+            lines.append(f"round {r} of {len(report['rounds'])}")
+        lines.append(f"{'config':<34} {'sent/s':>8} {'tok/s':>8} {'same as ref':>12} {'ours vs this':>13}")
+        for name, f in sorted(configs.items(), key=lambda kv: -kv[1]["sent_per_s"]):
+            vs = f"{f['ours_vs_this']:.2f}x" if "ours_vs_this" in f else ""
+            lines.append(f"{name:<34} {f['sent_per_s']:>8.2f} {f['tok_per_s']:>8.1f} "
+                         f"{f.get('identical_to_reference', 0):>7}/{n:<4} {vs:>13}")
     lines.append(f"ref: specsuite_one ({report['reference_backend']} backend); 'ours vs this': our one-at-a-time "
-                 "figure against one-at-a-time peers, our best batch against batched ones")
+                 "figure against one-at-a-time peers, our best batch against batched ones, within a round")
     lines += [f"not installed: {peer}: {how}" for peer, how in report["missing"].items()]
     return "\n".join(lines)

@@ -101,12 +101,27 @@ def test_peers_bench_runs_our_engine_and_names_the_peers_it_lacks(smollm2_fp32, 
     monkeypatch.setattr(models, "load_model", lambda name, dtype=None: smollm2_fp32)
     monkeypatch.setattr(bench_peers, "ANCHORS_CACHE", tmp_path / "no-anchors")
     report = bench_peers.run_peers("smollm2-135m", jfleg, n=4, max_new_tokens=12, parallel=[1, 2],
-                                   anchors=tmp_path / "anchors")
-    configs = report["configs"]
-    assert set(configs) == {"specsuite_one", "specsuite_batch2"} and report["n"] == 4
-    assert configs["specsuite_one"]["identical_to_reference"] == 4  # the reference itself
-    assert 0 <= configs["specsuite_batch2"]["identical_to_reference"] <= 4
-    assert all(f["sent_per_s"] > 0 and f["new_tokens"] > 0 for f in configs.values())
+                                   anchors=tmp_path / "anchors", rounds=2)
+    assert len(report["rounds"]) == 2 and report["n"] == 4
+    for configs in report["rounds"]:
+        assert set(configs) == {"specsuite_one", "specsuite_batch2"}
+        assert configs["specsuite_one"]["identical_to_reference"] == 4  # the reference itself
+        assert 0 <= configs["specsuite_batch2"]["identical_to_reference"] <= 4
+        assert all(f["sent_per_s"] > 0 and f["new_tokens"] > 0 for f in configs.values())
+    assert [c["specsuite_one"]["new_tokens"] for c in report["rounds"]] == [report["rounds"][0]["specsuite_one"]["new_tokens"]] * 2
     assert set(report["missing"]) == {"llama-server", "OpenVINO GenAI"}
     table = bench_peers.format_peers(report)
-    assert "specsuite_batch2" in table and "not installed: llama-server: bash" in table
+    assert "round 2 of 2" in table and "specsuite_batch2" in table and "not installed: llama-server: bash" in table
+
+
+def test_peers_deciding_only_runs_each_peers_speculation_alone_and_its_plain_batches():
+    """--deciding-only: one at a time, only the peers' speculation (their fastest there); in
+    batches, only their plain pipelines; without it, every configuration in one call per peer."""
+    from specsuite.bench_peers import _peer_calls
+
+    assert _peer_calls([1, 32, 64], deciding_only=True) == [
+        (["--parallel", "1", "--spec", "ngram-simple", "--no-baseline"], ["--batch", "1", "--prompt-lookup", "--no-baseline"]),
+        (["--parallel", "32,64"], ["--batch", "32,64"])]
+    assert _peer_calls([64], deciding_only=True) == [(["--parallel", "64"], ["--batch", "64"])]
+    assert _peer_calls([1, 64], deciding_only=False) == [
+        (["--parallel", "1,64", "--spec", "ngram-simple"], ["--batch", "1,64", "--prompt-lookup"])]
