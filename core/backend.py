@@ -46,6 +46,7 @@ from .draft_budget import StepCost, cost_file
 from . import forward as llama
 from .exact_linear import (FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, PackedWeights, bf16_rows, fp32_linear,
                            packed_bf16_runs, packed_rows, short_call_rows)
+from .int8_linear import Int8Weights, int8_rows, int8_runs
 from .logit_screen import LogitScreen
 from .row_plan import RowPlan
 from .verify import tree_attention_mask
@@ -78,7 +79,7 @@ AFFORDABILITY_ROWS = (1, 9, 17)
 # one-token steps run on packed weights wherever they round alike and `plain-packed` is timed too.
 EXACT_VS_PLAIN = "exact-vs-plain v4"
 
-KINDS = ("auto", "exact", "plain")
+KINDS = ("auto", "exact", "plain", "int8")
 
 
 @dataclass(frozen=True)
@@ -114,11 +115,13 @@ class Backend:
     exact_attention: bool = True
     screen: LogitScreen | None = field(default=None, compare=False, repr=False)
     engine_linear: Callable | None = None
-    packed: PackedWeights | None = field(default=None, compare=False, repr=False)
+    packed: PackedWeights | Int8Weights | None = field(default=None, compare=False, repr=False)
+    store: Callable = field(default=PackedWeights, compare=False, repr=False)
 
     def owned(self) -> Backend:
-        """This backend with packed weights of its own (`packed`), made as its forwards need them."""
-        return replace(self, packed=PackedWeights()) if self.linear is not None or self.engine_linear is not None else self
+        """This backend with a `store` of its own (`packed`: the weights in the form its kernels
+        run on), made as its forwards need them."""
+        return replace(self, packed=self.store()) if self.linear is not None or self.engine_linear is not None else self
 
     @property
     def label(self) -> str:
@@ -194,6 +197,13 @@ FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, dr
 # from one-token steps by up to ~0.17 (Qwen2.5-0.5B), and with a 0.25 guard Qwen2.5-1.5B was slower
 # (JFLEG, 50 sentences: 2.98x greedy against 3.31x without; Spec-Bench RAG, 12: 1.24x against
 # 1.75x) and no closer to greedy (46 of 50 identical either way; RAG 10 of 12 against 12 of 12).
+# int8: every linear layer, the output layer included, in int8 with per-row activation scales
+# (int8_linear.py). Its integer sums make every row of any call round as a one-token step's, so
+# prefill, draft and batched rows all take one call on the packed int8 weights, and greedy output
+# is identical to this backend's own one-token greedy decoding (not to bf16 greedy's). The
+# attention stays in the model's dtype, draft rows as one-row calls (exact_attention.py).
+INT8 = Backend("int8", int8_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(PLAIN_ROWS - 1,),
+               engine_linear=int8_rows, store=Int8Weights)
 PLAIN = Backend("plain", None, exact_rows=False, tie_margin=0.0)
 PLAIN_TIE_MARGIN = {torch.float32: 1e-3}
 # On the AMD Zen 5 CPU (avx512_bf16, no AMX), where the exact forms cost 1.3x plain ones, plain
@@ -230,6 +240,11 @@ def _choose(model, kind: str) -> Backend:
     if kind not in KINDS:
         raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
     cpu = model.device.type == "cpu"
+    if kind == "int8":
+        if not (cpu and llama.supports(model) and model.dtype in (torch.bfloat16, torch.float32) and int8_runs()):
+            raise ValueError("the int8 backend needs a Llama-family model (Llama, Qwen2) in bf16 or fp32 on a CPU "
+                             "whose oneDNN int8 kernel sums exactly (avx512_vnni or AMX)")
+        return INT8
     if kind == "plain" or not cpu or not llama.supports(model) or model.dtype not in (torch.bfloat16, torch.float32):
         return plain_backend(model.dtype)
     if model.dtype == torch.float32:

@@ -1,0 +1,118 @@
+"""Linear layers in int8 (weights per output channel, activations per row) whose rows round alike
+at every row count, for the `int8` backend (backend.py).
+
+A bf16 matmul rounds some outputs according to the call's shape (exact_linear.py), so its exact
+forms must compute draft rows as one-row calls would. Here the sums are integer sums: a row's
+int8 activations times the int8 weights, summed exactly in int32 by oneDNN's s8s8 kernel, then
+scaled elementwise (the weight's channel scale in the kernel, the row's scale and the bias after
+it). Nothing in that depends on the other rows of the call, so a verify forward of any number of
+rows, a prefill, or a batched engine step computes each row's projection bit for bit as a one-token
+step does, in one call on weights packed once. And the int8 weights are half the bf16 bytes: a
+one-row call of a 4864x896 projection took 0.13 ms against 0.22 ms packed bf16, the 151936x896
+output layer 3.8 ms against 9.7 (flat up to 16 rows; AMX CPU, ad hoc).
+
+The numerics are not bf16's: greedy output is identical to this backend's own one-token greedy
+decoding, not to bf16 greedy (docs/exactness.md). Each weight is quantized once, on first use, by
+symmetric per-channel scales (absmax / 127); each row of activations when it is computed, by its
+own absmax. `int8_runs` checks once per process that the kernel gives the exact integer sums at
+every row count a forward uses (on CPUs without VNNI, u8 x s8 pairs may saturate in 16 bits).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from .exact_linear import weight_state
+
+MIN_ROWS = 4  # calls of fewer rows are zero-padded: a 1-2-row call of a 128x896 weight took 1.5-3.5 ms, 4 rows 0.03
+QMAX = 127  # symmetric int8: -127..127 (the kernel's s8 x s8 products fit int32 sums of any input width here)
+
+
+class Int8Weights:
+    """The int8 copy of each weight a backend's forwards use: (packed int8 weight, fp32 channel
+    scales), made on first use and again when the weight changes; and the last input quantized,
+    since q, k and v (and gate and up) read the same hidden states. A backend owns one (`owned`),
+    like `exact_linear.PackedWeights`: nothing is kept on the model."""
+
+    def __init__(self) -> None:
+        self._by_weight: dict[int, tuple] = {}
+        self._last: tuple | None = None  # (the input, its version, its quantized rows, their scales)
+
+    def __call__(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = weight_state(weight)
+        entry = self._by_weight.get(id(weight))
+        if entry is None or entry[0]() is not weight or entry[1] != key:
+            entry = self._by_weight[id(weight)] = (weakref.ref(weight), key, *_quantized_weight(weight))
+        return entry[2], entry[3]
+
+    def __len__(self) -> int:
+        return len(self._by_weight)
+
+    def rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (..., in) -> its int8 rows (m, in) and their fp32 scales (m, 1), reused while x is the
+        same unchanged tensor (q, k and v read one input)."""
+        version = None if x.is_inference() else x._version  # inference tensors keep none
+        last = self._last
+        if last is not None and last[0] is x and last[1] == version:
+            return last[2], last[3]
+        q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        self._last = (x, version, q, scale)
+        return q, scale
+
+
+def _quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_(min=1e-12) / QMAX
+    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return torch.ops.onednn.qlinear_prepack(q, None), scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (m, in) -> (int8 rows, fp32 scales (m, 1)): each row by its own absmax, so a row's
+    integers do not depend on the other rows of the call."""
+    xf = x.to(torch.float32, copy=True)  # a copy: the rows are scaled in place below
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(QMAX)
+    return xf.div_(scale).round_().clamp_(-QMAX, QMAX).to(torch.int8), scale
+
+
+def _int8_call(q: torch.Tensor, packed: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
+    """The int32 sums of q (m, in) x the packed weight, times each channel's scale: (m, out) fp32."""
+    zero = torch.zeros(channel_scale.shape[0], dtype=torch.long)
+    rows = q.shape[0]
+    if rows < MIN_ROWS:  # zero rows change no other row's integer sums
+        q = torch.cat([q, q.new_zeros(MIN_ROWS - rows, q.shape[1])])
+    return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, channel_scale, zero, None, 1.0, 0,
+                                              torch.float32, "none", [], "")[:rows]
+
+
+def int8_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int, weights: Int8Weights) -> torch.Tensor:
+    """x (1, rows, in) -> (1, rows, out) in x's dtype: every row in int8 (see the module docstring),
+    in one call whatever `block` is (a prefill's rows round as any other row here)."""
+    q, row_scale = weights.rows(x)
+    packed, channel_scale = weights(layer.weight)
+    y = _int8_call(q, packed, channel_scale).mul_(row_scale)
+    if layer.bias is not None:
+        y += layer.bias
+    return y.to(x.dtype)[None]
+
+
+@functools.cache
+def int8_runs() -> bool:
+    """Whether oneDNN's int8 kernel runs here and gives the exact integer sums at 1..40 rows and
+    at a prefill's row count (checked once on random integers against float64 sums)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    out_features, in_features = 160, 4864  # wide enough for the kernel to block the input
+    try:
+        w = torch.randint(-QMAX, QMAX + 1, (out_features, in_features), generator=gen, dtype=torch.int8)
+        x = torch.randint(-QMAX, QMAX + 1, (300, in_features), generator=gen, dtype=torch.int8)
+        scale = torch.ones(out_features)
+        packed = torch.ops.onednn.qlinear_prepack(w, None)
+        exact = (x.double() @ w.double().T).float()
+        return all(torch.equal(_int8_call(x[:m], packed, scale), exact[:m]) for m in (*range(1, 41), 300))
+    except RuntimeError:
+        return False

@@ -1,0 +1,97 @@
+"""The int8 linear layers (core/int8_linear.py) and the `int8` backend: every row of a call of any
+row count comes out bit for bit as its one-row call; `generate()` and the batched engine are token
+for token the backend's own one-token greedy decoding. Where oneDNN's int8 kernel does not sum
+exactly (no avx512_vnni/AMX) the backend is refused, and these are visible skips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsuite.core import generate
+from specsuite.core.backend import choose_backend
+from specsuite.core.draft_budget import StepCost
+from specsuite.core.engine import BatchEngine, Request
+from specsuite.core.int8_linear import Int8Weights, int8_rows, int8_runs, quantize_rows
+from conftest import OracleTreeDrafter, prompts, tiny_model
+
+needs_int8 = pytest.mark.skipif(not int8_runs(), reason="oneDNN's int8 kernel does not give exact sums on this CPU")
+
+QWEN_LINEARS = [(896, 896, True), (128, 896, True), (4864, 896, False), (896, 4864, False)]
+
+
+@needs_int8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_row_of_an_int8_call_is_its_one_row_call(dtype):
+    """A verify forward, a prefill and a batched step compute their rows in calls of any row count:
+    each row must be bit for bit what a one-token step computes for it, and near the float layer."""
+    gen = torch.Generator().manual_seed(0)
+    for out_f, in_f, bias in QWEN_LINEARS:
+        layer = torch.nn.Linear(in_f, out_f, bias=bias).to(dtype)
+        weights = Int8Weights()
+        for m in (1, 2, 3, 5, 9, 17, 32, 33, 70, 161):
+            x = torch.randn(1, m, in_f, generator=gen)
+            x[..., 7] *= 4  # an outlier channel, as real activations have (it coarsens the row's scale)
+            x = x.to(dtype)
+            with torch.inference_mode():
+                rows = int8_rows(layer, x, m, weights)
+                alone = torch.cat([int8_rows(layer, x[:, i: i + 1], 1, weights) for i in range(m)], dim=1)
+                assert rows.dtype == dtype and torch.equal(rows, alone), (out_f, in_f, m)
+                exact = torch.nn.functional.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+                assert (rows.float() - exact).norm() < 0.05 * exact.norm(), (out_f, in_f, m)
+
+
+def test_rows_are_quantized_each_by_its_own_scale():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 64, generator=gen) * torch.tensor([1.0, 10.0, 0.1, 100.0, 1e-3])[:, None]
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.int8 and q.abs().amax(dim=1).eq(127).all()
+    for i in range(5):
+        qi, si = quantize_rows(x[i: i + 1])
+        assert torch.equal(qi, q[i: i + 1]) and torch.equal(si, scale[i: i + 1])
+    torch.testing.assert_close(q.float() * scale, x, rtol=0, atol=float(scale.max()) / 2 + 1e-6)
+
+
+@needs_int8
+def test_int8_weights_follow_in_place_changes_and_reuse_a_quantized_input():
+    gen = torch.Generator().manual_seed(2)
+    layer = torch.nn.Linear(256, 64, bias=False)
+    weights = Int8Weights()
+    x = torch.randn(1, 3, 256, generator=gen)
+    before = int8_rows(layer, x, 3, weights)
+    assert len(weights) == 1 and weights.rows(x)[0] is weights.rows(x)[0]  # q, k and v quantize their input once
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    after = int8_rows(layer, x, 3, weights)
+    torch.testing.assert_close(after, 2 * before, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(after, layer(x).detach(), rtol=0.05, atol=0.05)
+
+
+@needs_int8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_int8_generate_and_engine_are_int8_greedy_token_for_token(kind, dtype):
+    """Drafted trees verified in int8 give the tokens of one-token greedy decoding in int8 (the
+    backend's stated baseline), one sequence at a time and in the batched engine (whose batched
+    attention rounds otherwise in bf16, as for every backend: checked where the tiny model has
+    no near-ties, llama's)."""
+    model = tiny_model(kind, max_positions=512).to(dtype)
+    backend = choose_backend(model, "int8")
+    assert backend.name == "int8"
+    ps = prompts(6, seed=31, lengths=(3, 120))
+    truths = [generate(model, p, None, max_new_tokens=30, eos_token_id=[], backend=backend).tokens for p in ps]
+    assert all(len(t) == 30 for t in truths)
+    for i, (p, truth) in enumerate(zip(ps, truths)):
+        out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[], backend=backend)
+        assert out.tokens == truth, i
+        assert out.stats.forward_passes < 30 and out.stats.backend == "int8"
+    if kind == "llama" or dtype == torch.float32:
+        engine = BatchEngine(model, 3, eos_token_id=[], cost=StepCost({1: 1.0, 512: 1.0}), backend=backend)
+        requests = [Request(p, OracleTreeDrafter(p, t, seed=i), max_new_tokens=30) for i, (p, t) in enumerate(zip(ps, truths))]
+        assert [g.tokens for _, g in sorted(engine.run(requests), key=lambda r: r[0])] == truths
+
+
+def test_int8_is_refused_where_it_cannot_run_as_stated():
+    model = tiny_model("llama", attn="eager")  # not a forward of core/forward.py
+    with pytest.raises(ValueError, match="int8 backend needs"):
+        choose_backend(model, "int8")
