@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from specsuite.core import Drafter, DraftModelDrafter, PromptLookupDrafter, eos_token_ids, generate, turn_end_token
-from specsuite.core.backend import Backend, choose_backend
+from specsuite.core.backend import KINDS, Backend, choose_backend
 from specsuite.core.draft import FallbackDrafter
 from specsuite.core.chat import chat_prompt_ids
 from specsuite.models import DEFAULT_MODEL, load_model
@@ -296,7 +296,7 @@ def _run_cmd(args: argparse.Namespace) -> int:
 
         report = run_peers(args.model, data, args.n, args.max_new_tokens,
                            sorted({int(p) for p in args.peer_parallel.split(",")}), Path(args.anchors), args.dtype,
-                           args.rounds or 1, args.deciding_only)
+                           args.rounds or 1, args.deciding_only, args.backend)
         return _show(args, report, format_peers(report),
                      f"peers · {args.model} · n={report['n']} · max_new_tokens={args.max_new_tokens} · "
                      f"{report['torch_threads']} threads · one engine at a time, {len(report['rounds'])} round(s)")
@@ -352,7 +352,7 @@ def _cmd_gec_batch(args: argparse.Namespace, data: Path) -> int:
         return 2
     report = run_gec_batch(args.model, data, args.n, sizes, args.max_new_tokens, args.dtype,
                            [Path(r) for r in args.refs or []], args.methods.split(",") if args.methods else None,
-                           args.rounds or 3)
+                           args.rounds or 3, args.backend)
     print(f"\ngec-batch · {args.model} ({report['dtype']}) · n={report['n']} · max_new_tokens={args.max_new_tokens} · "
           f"{report['torch_threads']} threads · spec_batch = batch size {report['default_batch_size']} · "
           f"mean of {report['rounds']} alternated round(s)")
@@ -380,9 +380,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", help="comma-separated subset of methods (hf_greedy always runs)")
     p.add_argument("--tie-margin", type=float, help="our methods: recompute rows whose top two logits are "
                    "closer than this (default: per dtype; 0 in bf16 with exact attention)")
-    p.add_argument("--backend", choices=["auto", "exact", "plain"], default="auto",
+    p.add_argument("--backend", choices=KINDS, default="auto",
                    help="how our methods compute verify forwards: exact forms, plain multi-row calls with a tie "
-                   "guard, or auto (exact where they cost at most 15%% more; see `specsuite step-cost`)")
+                   "guard, auto (exact where they cost at most 15%% more; see `specsuite step-cost`), or int8 (every "
+                   "linear layer in int8: greedy is int8 greedy's; peers compare every row with it)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="gec: our methods compute the shared instruction for every sentence, as HF's do")
     p.add_argument("--batch-sizes", default="1,8,16,32", help="gec-batch: the batch sizes of HF generate() and of "

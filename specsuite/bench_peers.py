@@ -32,7 +32,7 @@ ANCHORS_CACHE = Path.home() / ".cache" / "specsuite-anchors"
 
 
 def _our_runs(model_name: str, sentences: list[str], max_new_tokens: int, batch_sizes: list[int],
-              dtype: str | None) -> tuple[dict, set[int], str, int]:
+              dtype: str | None, backend_kind: str = "auto") -> tuple[dict, set[int], str, int]:
     """Our engine's configurations {name: run}, each warmed up, the EOS ids, the backend's label and
     torch's threads."""
     import torch
@@ -42,7 +42,7 @@ def _our_runs(model_name: str, sentences: list[str], max_new_tokens: int, batch_
     from specsuite.models import load_model
 
     model, tok = load_model(model_name, dtype=dtype)
-    backend = choose_backend(model)
+    backend = choose_backend(model, backend_kind)
     ours = GecRuns(model, tok, sentences, max_new_tokens, backend)
     runs = {"specsuite_one": ours.one, **{f"specsuite_batch{b}": ours.batched(b) for b in batch_sizes}}
     for run in runs.values():
@@ -99,13 +99,14 @@ def _peer_calls(parallel: list[int], deciding_only: bool) -> list[tuple[list[str
 
 def run_peers(model_name: str, data: Path, n: int, max_new_tokens: int = 128, parallel: list[int] = (1, 64),
               anchors: Path = Path("../shared/anchors"), dtype: str | None = None, rounds: int = 1,
-              deciding_only: bool = False) -> dict:
+              deciding_only: bool = False, backend: str = "auto") -> dict:
     """The report: for each round, every configuration's figures and its outputs' agreement with that
     round's `specsuite_one`, and our figures against each peer's of the same round.
     parallel: requests in flight: 1 is one at a time, each larger count is our batch size and the
     peers' parallel slots (llama-server) or requests in flight (OpenVINO). rounds: our engine, then
     each peer, again and again: the machine's speed drifts over minutes, so a ratio is only taken
-    between figures of one round."""
+    between figures of one round. backend: our engine's (`core.backend.choose_backend` kind; with
+    "int8" the reference is int8 greedy decoding, which every row is compared with)."""
     from specsuite.apps.gec import prompt
     from specsuite.bench_batch import read_sentences
     from specsuite.models import resolve_model_path
@@ -113,7 +114,8 @@ def run_peers(model_name: str, data: Path, n: int, max_new_tokens: int = 128, pa
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     sentences = read_sentences(data, n)
-    runs, eos, backend, threads = _our_runs(model_name, sentences, max_new_tokens, [p for p in parallel if p > 1], dtype)
+    runs, eos, backend, threads = _our_runs(model_name, sentences, max_new_tokens, [p for p in parallel if p > 1], dtype,
+                                            backend)
     report = {"model": model_name, "n": len(sentences), "max_new_tokens": max_new_tokens, "reference": "specsuite_one",
               "reference_backend": backend, "torch_threads": threads, "rounds": [], "missing": {}}
     models_dir = resolve_model_path(model_name)  # the tokenizer of the prompt ids
