@@ -19,6 +19,10 @@ whether a prefix cache is lossless.
 - `plain-packed` (bf16 on the CPU): `plain`, with the draft rows and one-token steps on weights
   packed once (exact_linear.py's `packed_rows`); the prefill and one-token steps round as plain
   decoding's, draft rows as neither (as `plain`'s do).
+- `int8` (asked for, never chosen by "auto": its numerics are not the model's): every linear layer
+  in int8, weights per channel and activations per row (int8_linear.py); integer sums make every
+  row of any call round as a one-token step's, so output is identical to int8 greedy decoding,
+  and the weights stream half the bytes of bf16.
 
 Whatever the kind chosen for a bf16 model on the CPU, the batched engine computes every row of
 its forwards on packed weights where oneDNN runs on them (`engine_linear`): batched rows round as

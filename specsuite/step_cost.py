@@ -5,8 +5,8 @@ depends on the kernels (bf16 with AMX: smooth growth; fp32 on an AVX2-only CPU: 
 then jumps at 8, 16 and 32, which `generate()`'s draft size ladder follows). This measures it: a
 prompt of random tokens is prefilled once, then a chain of k-1 draft tokens after one fresh token
 runs through each backend's forward (`core.backend`), k rows in all, every row count in turn,
-`reps` rounds (the one timing loop, `core.calibration`), the cache cropped back after each: the model's exact form for its dtype and
-the plain multi-row forward. It also says which backend `generate()` runs for this model here.
+`reps` rounds (the one timing loop, `core.calibration`), the cache cropped back after each: the model's exact form for its dtype,
+the plain multi-row forward and, where oneDNN's int8 kernel sums exactly, the int8 backend. It also says which backend `generate()` runs for this model here.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from specsuite.core.backend import EXACT_BF16, FP32_CPU, choose_backend, plain_backend, plain_forms
 from specsuite.core.calibration import measure_forward_costs
+from specsuite.core.int8_linear import int8_runs
 from specsuite.core import forward as llama
 from specsuite.models import DEFAULT_MODEL, load_model
 
@@ -29,6 +30,8 @@ def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5)
         exact = choose_backend(model, "exact")  # fp32: with the kernel forms measured for this model
         backends = ([exact] if exact.name in (EXACT_BF16.name, FP32_CPU.name) else []) + [
             b.owned() for b in plain_forms(model.dtype)]
+        if int8_runs():
+            backends.append(choose_backend(model, "int8"))
     return measure_forward_costs(model, backends, rows, context, reps)
 
 

@@ -12,6 +12,7 @@ from specsuite.apps.gec.drafter import CopyDrafter
 from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache
 from specsuite.cli import main as specsuite_main
 from specsuite.core.backend import choose_backend
+from specsuite.core.int8_linear import int8_runs
 from specsuite.core import PromptLookupDrafter, TextPiece, eos_token_ids, generate
 
 pytestmark = pytest.mark.real_model
@@ -164,6 +165,21 @@ def test_exact_asks_for_the_exact_forward_forms(smollm2):
     auto = _corrector(argparse.Namespace(**vars(args), exact=False))
     assert auto.backend == choose_backend(auto.model, "auto") and not hasattr(auto.model, "specsuite_backend")
     assert exact.correct("She go to school yesterday.").text
+
+
+@pytest.mark.skipif(not int8_runs(), reason="oneDNN's int8 kernel does not give exact sums on this CPU")
+def test_int8_asks_for_the_int8_backend_one_at_a_time_and_in_batches(smollm2):
+    import argparse
+
+    from specsuite.apps.gec.cli import _corrector
+
+    args = argparse.Namespace(model="smollm2-135m", drafter="copy", dtype=None, max_new_tokens=8, batch_size=4, int8=True)
+    one = _corrector(argparse.Namespace(**vars(args), exact=True))
+    assert one.batch_size == 1 and one.backend.name == "int8"
+    batched = _corrector(argparse.Namespace(**vars(args), exact=False))
+    assert batched.batch_size == 4 and batched.backend.name == "int8" and batched.backend.packed is not one.backend.packed
+    texts = ["She go to school yesterday.", "I has a apple."]
+    assert all(c.text for c in batched.correct_many(texts)) and one.correct(texts[0]).text
 
 
 def test_corrector_reuses_the_instruction_and_keeps_greedy_output(smollm2_fp32, sentences, hf_greedy):
