@@ -4,6 +4,7 @@ import pytest
 
 from specsuite import bench
 from specsuite.core.backend import choose_backend
+from specsuite.core.int8_linear import int8_runs
 
 pytestmark = pytest.mark.real_model
 
@@ -112,6 +113,20 @@ def test_peers_bench_runs_our_engine_and_names_the_peers_it_lacks(smollm2_fp32, 
     assert set(report["missing"]) == {"llama-server", "OpenVINO GenAI"}
     table = bench_peers.format_peers(report)
     assert "round 2 of 2" in table and "specsuite_batch2" in table and "not installed: llama-server: bash" in table
+
+
+@pytest.mark.skipif(not int8_runs(), reason="oneDNN's int8 kernel does not give exact sums on this CPU")
+def test_peers_bench_runs_our_engine_on_the_backend_asked(smollm2_fp32, jfleg, monkeypatch, tmp_path):
+    """--backend int8: our runs in int8, the reference (every row's comparison) int8 greedy."""
+    from specsuite import bench_peers, models
+
+    monkeypatch.setattr(models, "load_model", lambda name, dtype=None: smollm2_fp32)
+    monkeypatch.setattr(bench_peers, "ANCHORS_CACHE", tmp_path / "no-anchors")
+    report = bench_peers.run_peers("smollm2-135m", jfleg, n=3, max_new_tokens=8, parallel=[1, 2],
+                                   anchors=tmp_path / "anchors", backend="int8")
+    assert report["reference_backend"] == "int8"
+    assert report["rounds"][0]["specsuite_one"]["identical_to_reference"] == 3
+    assert "(int8 backend)" in bench_peers.format_peers(report)
 
 
 def test_peers_deciding_only_runs_each_peers_speculation_alone_and_its_plain_batches():
