@@ -19,6 +19,7 @@ from specsuite.apps.rag.prompt import rag_prompt_ids, rag_user_message
 from specsuite.apps.rag.evaluate import contains_reference, evaluate_rag, references
 from specsuite.apps.rag.qa import Answer, RagQA, copied_spans, find_claims, parse_citations
 from specsuite.core.backend import choose_backend
+from specsuite.core.int8_linear import int8_runs
 from specsuite.core import PrefixCache, eos_token_ids, generate
 from specsuite.retrieval import PassageIndex, parse_specbench_rag
 
@@ -281,6 +282,23 @@ def test_cli_ask(smollm2, demo_index, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "Sources:" in out and "[2] score" in out and "Stats:" in out
     assert main(["rag", "ask", str(tmp_path / "missing"), "q"]) == 1
+
+
+@pytest.mark.skipif(not int8_runs(), reason="oneDNN's int8 kernel does not give exact sums on this CPU")
+def test_cli_ask_int8_answers_on_the_int8_backend(smollm2, demo_index, tmp_path, monkeypatch, capsys):
+    from specsuite.apps.rag import qa as qa_module
+    from specsuite.cli import main
+
+    demo_index.save(tmp_path / "idx")
+    made = []
+
+    def loaded_rag_qa(index_dir: str, model: str, **options) -> RagQA:  # the model fixture, not a fresh load
+        made.append(RagQA.from_loaded(smollm2[0], smollm2[1], PassageIndex.load(index_dir), **options))
+        return made[-1]
+
+    monkeypatch.setattr(qa_module, "RagQA", loaded_rag_qa)
+    assert main(["rag", "ask", str(tmp_path / "idx"), "Who built the Great Wall?", "--int8", "--max-new-tokens", "8"]) == 0
+    assert [qa.backend.name for qa in made] == ["int8"] and "Sources:" in capsys.readouterr().out
 
 
 def test_prefix_cache_hit_without_a_draft(smollm2):

@@ -33,7 +33,8 @@ def _load_qa(args: argparse.Namespace, index_dir: str | Path):
     return RagQA(str(index_dir), model=args.model, drafter=args.drafter,
                  prefix_cache_bytes=0 if getattr(args, "no_prefix_cache", False) else None,
                  max_new_tokens=args.max_new_tokens, max_question_tokens=args.max_question_tokens,
-                 batch_size=getattr(args, "serve_batch_size", 1), draft_model=args.draft_model)
+                 batch_size=getattr(args, "serve_batch_size", 1), draft_model=args.draft_model,
+                 backend="int8" if getattr(args, "int8", False) else "auto")
 
 
 def _print_answer(answer) -> None:
@@ -133,6 +134,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", metavar="PRESET", help="a small model with the same tokenizer that drafts where "
                    "the passages have nothing to copy, e.g. qwen2.5-0.5b for --model qwen2.5-1.5b")
     p.add_argument("--max-new-tokens", type=retrieval_cli._positive_int, default=256, metavar="N")
+    p.add_argument("--int8", action="store_true", help="every linear layer in int8 (weights per channel, activations "
+                   "per row): faster steps; answers are int8 greedy decoding's, not bf16's (docs/exactness.md)")
     p.add_argument("--max-question-tokens", type=limits.token_limit_arg, metavar="N",
                    help=f"longest question accepted (default {limits.MAX_QUESTION_TOKENS:,}: a question is not a "
                    "book; less where the model's context less --max-new-tokens is smaller)")

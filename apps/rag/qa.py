@@ -200,11 +200,14 @@ class RagQA:
     max_question_tokens: the longest question accepted (default: `limits.MAX_QUESTION_TOKENS`, or
         less where the model's context with the answer budget `max_new_tokens` holds less). Every entry point checks its input first (`validate`):
         a bad question or k is an InputError before any model work.
+    backend: a `choose_backend` kind: "auto" (default), "exact", "plain", or "int8" (every linear
+        layer in int8: answers are int8 greedy decoding's, not the model's own).
     """
 
     def __init__(self, index_dir: str | None = None, model: str = DEFAULT_MODEL, drafter: str = "reference",
                  prefix_cache_bytes: int | None = None, max_new_tokens: int = 256, dtype: str | None = None,
-                 max_question_tokens: int | None = None, batch_size: int = 1, draft_model: str | None = None) -> None:
+                 max_question_tokens: int | None = None, batch_size: int = 1, draft_model: str | None = None,
+                 backend: str = "auto") -> None:
         index = None
         if index_dir is not None:
             from specsuite.retrieval import PassageIndex
@@ -213,18 +216,19 @@ class RagQA:
         loaded, tokenizer = load_model(model, dtype=dtype)
         small = load_model(draft_model, dtype=loaded.dtype)[0] if draft_model else None
         self._setup(loaded, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens,
-                    batch_size, small, choose_backend(loaded))
+                    batch_size, small, choose_backend(loaded, backend))
 
     @classmethod
     def from_loaded(cls, model, tokenizer, index: "PassageIndex | None" = None, drafter: str = "reference",
                     prefix_cache_bytes: int | None = None, max_new_tokens: int = 256,
                     max_question_tokens: int | None = None, batch_size: int = 1, draft_model=None,
-                    backend: Backend | None = None) -> "RagQA":
+                    backend: Backend | str | None = None) -> "RagQA":
         """A RagQA over an already loaded model, tokenizer, index and draft model (tests, notebooks);
-        backend: one already chosen for the model (None: `choose_backend(model)`)."""
+        backend: one already chosen for the model, or a kind for `choose_backend` (None: "auto")."""
         qa = cls.__new__(cls)
         qa._setup(model, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens,
-                  batch_size, draft_model, backend or choose_backend(model))
+                  batch_size, draft_model,
+                  backend if isinstance(backend, Backend) else choose_backend(model, backend or "auto"))
         return qa
 
     def _setup(self, model, tokenizer, index, drafter: str, prefix_cache_bytes: int | None,
