@@ -58,7 +58,9 @@ def test_int8_weights_follow_in_place_changes_and_reuse_a_quantized_input():
     layer = torch.nn.Linear(256, 64, bias=False)
     weights = Int8Weights()
     x = torch.randn(1, 3, 256, generator=gen)
+    w0, x0 = layer.weight.detach().clone(), x.clone()
     before = int8_rows(layer, x, 3, weights)
+    assert torch.equal(layer.weight, w0) and torch.equal(x, x0)  # fp32: quantizing copies, never scales in place
     assert len(weights) == 1 and weights.rows(x)[0] is weights.rows(x)[0]  # q, k and v quantize their input once
     with torch.no_grad():
         layer.weight.mul_(2)
