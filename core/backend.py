@@ -119,7 +119,7 @@ class Backend:
     exact_attention: bool = True
     screen: LogitScreen | None = field(default=None, compare=False, repr=False)
     engine_linear: Callable | None = None
-    packed: PackedWeights | Int8Weights | None = field(default=None, compare=False, repr=False)
+    packed: PackedWeights | None = field(default=None, compare=False, repr=False)
     store: Callable = field(default=PackedWeights, compare=False, repr=False)
 
     def owned(self) -> Backend:

@@ -119,17 +119,18 @@ class PackedWeights:
     `RowPlan`: the copies live as long as the backend, outside the model, so that copying or
     saving the model never meets the opaque tensors."""
 
-    def __init__(self) -> None:
-        # id(weight) -> (a weak reference to it, its weight_state, its packed copy). Nothing here
-        # keeps a weight alive, and nothing on the weight keeps these copies alive: they go with
-        # the backend (a finalizer on the weight would hold them as long as the model lives).
+    def __init__(self, make: Callable[[torch.Tensor], object] | None = None) -> None:
+        # id(weight) -> (a weak reference to it, its weight_state, its copy). Nothing here keeps a
+        # weight alive, and nothing on the weight keeps these copies alive: they go with the
+        # backend (a finalizer on the weight would hold them as long as the model lives).
         self._by_weight: dict[int, tuple] = {}
+        self._make = make or _pack  # weight -> its copy (int8_linear.Int8Weights: its int8 form)
 
-    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, weight: torch.Tensor):
         key = weight_state(weight)
         entry = self._by_weight.get(id(weight))
         if entry is None or entry[0]() is not weight or entry[1] != key:
-            entry = self._by_weight[id(weight)] = (weakref.ref(weight), key, _pack(weight))
+            entry = self._by_weight[id(weight)] = (weakref.ref(weight), key, self._make(weight))
         return entry[2]
 
     def __len__(self) -> int:

@@ -21,36 +21,26 @@ every row count a forward uses (on CPUs without VNNI, u8 x s8 pairs may saturate
 from __future__ import annotations
 
 import functools
-import weakref
+from typing import NamedTuple
 
 import torch
 
-from .exact_linear import weight_state
+from .exact_linear import PackedWeights
 
 MIN_ROWS = 4  # calls of fewer rows are zero-padded: a 1-2-row call of a 128x896 weight took 1.5-3.5 ms, 4 rows 0.03
 QUANTIZE_ROWS = 1024  # rows of a weight quantized at a time (fp32 temporaries of a few MB)
 QMAX = 127  # symmetric int8: -127..127 (the kernel's s8 x s8 products fit int32 sums of any input width here)
 
 
-class Int8Weights:
-    """The int8 copy of each weight a backend's forwards use: (packed int8 weight, fp32 channel
-    scales), made on first use and again when the weight changes; and the last input quantized,
-    since q, k and v (and gate and up) read the same hidden states. A backend owns one (`owned`),
-    like `exact_linear.PackedWeights`: nothing is kept on the model."""
+class Int8Weights(PackedWeights):
+    """The int8 form of each weight a backend's forwards use, made on first use and again when the
+    weight changes (`exact_linear.PackedWeights`' cache, with `_quantized_weight` for the copy); and
+    the last input quantized, since q, k and v (and gate and up) read the same hidden states. A
+    backend owns one (`owned`): nothing is kept on the model."""
 
     def __init__(self) -> None:
-        self._by_weight: dict[int, tuple] = {}
+        super().__init__(_quantized_weight)
         self._last: tuple | None = None  # (the input, its version, its quantized rows, their scales)
-
-    def __call__(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = weight_state(weight)
-        entry = self._by_weight.get(id(weight))
-        if entry is None or entry[0]() is not weight or entry[1] != key:
-            entry = self._by_weight[id(weight)] = (weakref.ref(weight), key, *_quantized_weight(weight))
-        return entry[2], entry[3]
-
-    def __len__(self) -> int:
-        return len(self._by_weight)
 
     def rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (..., in) -> its int8 rows (m, in) and their fp32 scales (m, 1), reused while x is the
@@ -64,9 +54,17 @@ class Int8Weights:
         return q, scale
 
 
-def _quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed int8 weight, fp32 channel scales). In blocks of rows: whole-weight fp32 temporaries
-    (0.9 GB for Qwen2.5-1.5B's output layer) made the first int8 forward of the 1.5B take ~16 s."""
+class Int8Weight(NamedTuple):
+    """A weight in int8, packed for oneDNN, with its fp32 channel scales and (zero) zero points."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero_points: torch.Tensor
+
+
+def _quantized_weight(weight: torch.Tensor) -> Int8Weight:
+    """In blocks of rows: whole-weight fp32 temporaries (0.9 GB for Qwen2.5-1.5B's output layer)
+    made the first int8 forward of the 1.5B take ~16 s."""
     w = weight.detach()
     scale = w.abs().amax(dim=1).float().clamp_(min=1e-12) / QMAX  # a max is exact in any float dtype
     q = torch.empty(w.shape, dtype=torch.int8)
@@ -74,7 +72,7 @@ def _quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         rows = slice(start, start + QUANTIZE_ROWS)
         block = w[rows].to(torch.float32, copy=True)  # a copy: scaled in place (an fp32 weight's rows are no copy)
         q[rows] = block.div_(scale[rows, None]).round_().clamp_(-QMAX, QMAX)  # integers: exact in int8
-    return torch.ops.onednn.qlinear_prepack(q, None), scale
+    return Int8Weight(torch.ops.onednn.qlinear_prepack(q, None), scale, torch.zeros(w.shape[0], dtype=torch.long))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,13 +83,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xf.div_(scale).round_().clamp_(-QMAX, QMAX).to(torch.int8), scale
 
 
-def _int8_call(q: torch.Tensor, packed: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
+def _int8_call(q: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """The int32 sums of q (m, in) x the packed weight, times each channel's scale: (m, out) fp32."""
-    zero = torch.zeros(channel_scale.shape[0], dtype=torch.long)
     rows = q.shape[0]
     if rows < MIN_ROWS:  # zero rows change no other row's integer sums
         q = torch.cat([q, q.new_zeros(MIN_ROWS - rows, q.shape[1])])
-    return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, channel_scale, zero, None, 1.0, 0,
+    return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, weight.packed, weight.scale, weight.zero_points, None, 1.0, 0,
                                               torch.float32, "none", [], "")[:rows]
 
 
@@ -99,8 +96,7 @@ def int8_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int, weights: Int8
     """x (1, rows, in) -> (1, rows, out) in x's dtype: every row in int8 (see the module docstring),
     in one call whatever `block` is (a prefill's rows round as any other row here)."""
     q, row_scale = weights.rows(x)
-    packed, channel_scale = weights(layer.weight)
-    y = _int8_call(q, packed, channel_scale).mul_(row_scale)
+    y = _int8_call(q, weights(layer.weight)).mul_(row_scale)
     if layer.bias is not None:
         y += layer.bias
     return y.to(x.dtype)[None]
@@ -117,9 +113,9 @@ def int8_runs() -> bool:
     try:
         w = torch.randint(-QMAX, QMAX + 1, (out_features, in_features), generator=gen, dtype=torch.int8)
         x = torch.randint(-QMAX, QMAX + 1, (300, in_features), generator=gen, dtype=torch.int8)
-        scale = torch.ones(out_features)
-        packed = torch.ops.onednn.qlinear_prepack(w, None)
+        weight = Int8Weight(torch.ops.onednn.qlinear_prepack(w, None), torch.ones(out_features),
+                            torch.zeros(out_features, dtype=torch.long))
         exact = (x.double() @ w.double().T).float()
-        return all(torch.equal(_int8_call(x[:m], packed, scale), exact[:m]) for m in (*range(1, 41), 300))
+        return all(torch.equal(_int8_call(x[:m], weight), exact[:m]) for m in (*range(1, 41), 300))
     except (RuntimeError, NotImplementedError):  # oneDNN without an int8 kernel for this CPU
         return False

@@ -96,6 +96,9 @@ VOCAB = 96
 
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config}
 
+# Qwen2.5-0.5B's linear shapes (out, in, bias): q/o, k/v, gate/up, down
+QWEN_LINEARS = [(896, 896, True), (128, 896, True), (4864, 896, False), (896, 4864, False)]
+
 
 def tiny_model(kind: str = "llama", attn: str = "sdpa", seed: int = 0, vocab: int = VOCAB,
                max_positions: int = 256, init: float = 0.3):

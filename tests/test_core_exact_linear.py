@@ -12,10 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from specsuite.core import generate
 from specsuite.core import exact_linear
 from specsuite.core.backend import EXACT_BF16, FP32_CPU, MIN_SHORT_CALL_ROWS, choose_backend
-from conftest import hf_greedy, prompts, OracleTreeDrafter
-
-
-QWEN_LINEARS = [(896, 896, True), (128, 896, True), (4864, 896, False), (896, 4864, False)]
+from conftest import QWEN_LINEARS, hf_greedy, prompts, OracleTreeDrafter
 
 
 QWEN_15B_DOWN = (1536, 8960, False)  # Qwen2.5-1.5B's down projection

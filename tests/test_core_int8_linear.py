@@ -13,12 +13,9 @@ from specsuite.core.backend import choose_backend
 from specsuite.core.draft_budget import StepCost
 from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.int8_linear import Int8Weights, int8_rows, int8_runs, quantize_rows
-from conftest import OracleTreeDrafter, prompts, tiny_model
+from conftest import QWEN_LINEARS, OracleTreeDrafter, prompts, tiny_model
 
 needs_int8 = pytest.mark.skipif(not int8_runs(), reason="oneDNN's int8 kernel does not give exact sums on this CPU")
-
-QWEN_LINEARS = [(896, 896, True), (128, 896, True), (4864, 896, False), (896, 4864, False)]
-
 
 @needs_int8
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

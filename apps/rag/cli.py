@@ -34,7 +34,12 @@ def _load_qa(args: argparse.Namespace, index_dir: str | Path):
                  prefix_cache_bytes=0 if getattr(args, "no_prefix_cache", False) else None,
                  max_new_tokens=args.max_new_tokens, max_question_tokens=args.max_question_tokens,
                  batch_size=getattr(args, "serve_batch_size", 1), draft_model=args.draft_model,
-                 backend="int8" if getattr(args, "int8", False) else "auto")
+                 backend=backend_kind(args))
+
+
+def backend_kind(args: argparse.Namespace) -> str:
+    """The `choose_backend` kind the model options ask for (--int8)."""
+    return "int8" if getattr(args, "int8", False) else "auto"
 
 
 def _print_answer(answer) -> None:
