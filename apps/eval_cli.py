@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from specsuite.adapters import describe_adapter
 from specsuite.apps.gec import cli as gec_cli
 from specsuite.apps.rag import cli as rag_cli
 
@@ -30,13 +31,14 @@ def _eval_rag(args: argparse.Namespace) -> int:
 
     items = load_specbench_rag(args.data)[: args.n]
     qa = RagQA(model=args.model, drafter=args.drafter, max_new_tokens=args.max_new_tokens, draft_model=args.draft_model,
-               backend=rag_cli.backend_kind(args))
+               backend=rag_cli.backend_kind(args), adapter=args.adapter)
     bar = tqdm(total=len(items), unit="item", dynamic_ncols=True)
     result = evaluate_rag(qa, items, progress=lambda r: bar.update(1))
     bar.close()
     if args.out:
         Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in result.rows), encoding="utf-8")
-    print(f"{args.model}, {result.items} Spec-Bench RAG items, passages given")
+    print(f"{args.model}, adapter {describe_adapter(args.adapter, 'rag', args.model)}, {result.items} Spec-Bench RAG "
+          f"items, passages given")
     print(result.summary())
     return 0
 

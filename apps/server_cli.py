@@ -24,7 +24,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         from specsuite.models import load_model
 
-        model, tokenizer = load_model(args.model, dtype=args.dtype)
+        adapter = "auto" if args.adapter in ("gec", "rag") else args.adapter
+        model, tokenizer = load_model(args.model, dtype=args.dtype, adapter=adapter,
+                                      task=args.adapter if args.adapter in ("gec", "rag") else None)
         index = None
         if args.index:
             from specsuite.retrieval import PassageIndex
@@ -53,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions) with the GEC and RAG apps")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name or local model directory (default {DEFAULT_MODEL})")
     p.add_argument("--model-name", help="the name clients use for plain chat (default: --model)")
+    p.add_argument("--adapter", default="gec", help="the one adapter merged into the one model: gec (the GEC adapter "
+                   "shipped for the preset, default), rag, none (the base model), or a folder written by "
+                   "`specsuite train`; for both specialists at full quality run two servers")
     p.add_argument("--index", help="a passage index (`specsuite rag index`): serves the specsuite-rag model")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
     p.add_argument("--host", default="127.0.0.1")

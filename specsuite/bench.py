@@ -24,6 +24,7 @@ from specsuite.core import Drafter, DraftModelDrafter, PromptLookupDrafter, eos_
 from specsuite.core.backend import KINDS, Backend, choose_backend
 from specsuite.core.draft import FallbackDrafter
 from specsuite.core.chat import chat_prompt_ids
+from specsuite.adapters import describe_adapter
 from specsuite.models import DEFAULT_MODEL, load_model
 from specsuite import bench_serve_load
 from specsuite.retrieval.cli import _positive_int
@@ -170,12 +171,14 @@ def _summarize(runs: list[Run], greedy: list[Run], examples: list[Example], tok)
 def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: int = 128,
               draft_model_name: str | None = None, dtype: str | None = None,
               methods: list[str] | None = None, tie_margin: float | None = None,
-              prefix_cache: bool = True, backend: str = "auto") -> dict:
+              prefix_cache: bool = True, backend: str = "auto", adapter: str = "auto") -> dict:
     """Run every applicable method on the first `n` prompts of `data`; returns the JSON report.
     tie_margin: passed to our methods' `generate` (None: its default). prefix_cache: our methods
     reuse the KV of the prompts' shared start as the app does (`PREFIX_CACHES`; False: never).
-    backend: how our methods compute forwards (`core.backend`: auto, exact or plain)."""
-    model, tok = load_model(model_name, dtype=dtype)
+    backend: how our methods compute forwards (`core.backend`: auto, exact or plain). adapter: the
+    task's app adapter merged into the model every method runs (`load_model`; gec and rag)."""
+    app = task if task in ("gec", "rag") else None
+    model, tok = load_model(model_name, dtype=dtype, adapter=adapter if app else None, task=app)
     backend = choose_backend(model, backend)  # once, for every call of our methods
     draft_model = load_model(draft_model_name, dtype=dtype)[0] if draft_model_name else None
     eos = sorted(eos_token_ids(model, tok))
@@ -222,7 +225,8 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     finally:
         counter.remove()
     report = {
-        "task": task, "model": model_name, "n": len(examples), "max_new_tokens": max_new_tokens,
+        "task": task, "model": model_name, "adapter": describe_adapter(adapter, app, model_name) if app else "none",
+        "n": len(examples), "max_new_tokens": max_new_tokens,
         "dtype": str(model.dtype).replace("torch.", ""), "draft_model": draft_model_name,
         "torch_threads": torch.get_num_threads(), "tie_margin": tie_margin, "backend": backend.label,
         "spec_prefix_cache": prefix_cache is not None,  # our methods reuse the KV of a shared prompt start
@@ -310,9 +314,9 @@ def _run_cmd(args: argparse.Namespace) -> int:
                      f"max_new_tokens={args.max_new_tokens} · mean of {report['rounds']} alternated round(s)")
     report = run_bench(args.task, args.model, data, args.n, args.max_new_tokens, args.draft_model, args.dtype,
                        args.methods.split(",") if args.methods else None, args.tie_margin,
-                       not args.no_prefix_cache, args.backend)
+                       not args.no_prefix_cache, args.backend, args.adapter)
     cached = " · our methods reuse the shared instruction's KV" if report["spec_prefix_cache"] else ""
-    print(f"\n{args.task} · {args.model} ({report['dtype']}, our forwards: {report['backend']} backend) · "
+    print(f"\n{args.task} · {args.model} + adapter {report['adapter']} ({report['dtype']}, our forwards: {report['backend']} backend) · "
           f"n={report['n']} · max_new_tokens={args.max_new_tokens}{cached}")
     print(format_table(report))
     for name, bad in report["mismatches"].items():
@@ -352,7 +356,7 @@ def _cmd_gec_batch(args: argparse.Namespace, data: Path) -> int:
         return 2
     report = run_gec_batch(args.model, data, args.n, sizes, args.max_new_tokens, args.dtype,
                            [Path(r) for r in args.refs or []], args.methods.split(",") if args.methods else None,
-                           args.rounds or 3, args.backend)
+                           args.rounds or 3, args.backend, args.adapter)
     print(f"\ngec-batch · {args.model} ({report['dtype']}) · n={report['n']} · max_new_tokens={args.max_new_tokens} · "
           f"{report['torch_threads']} threads · spec_batch = batch size {report['default_batch_size']} · "
           f"mean of {report['rounds']} alternated round(s)")
@@ -377,6 +381,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-model", help="a small model with the same tokenizer: adds hf_assisted and spec_draft_model")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
+    p.add_argument("--adapter", default="auto", help="gec, gec-batch, rag: the app's adapter merged into the model "
+                   "every method runs (auto: the one shipped for the preset; none; or a folder). peers and "
+                   "summarize run the base model, as the peers do")
     p.add_argument("--methods", help="comma-separated subset of methods (hf_greedy always runs)")
     p.add_argument("--tie-margin", type=float, help="our methods: recompute rows whose top two logits are "
                    "closer than this (default: per dtype; 0 in bf16 with exact attention)")

@@ -12,7 +12,7 @@ import sys
 COMMANDS = {"models": "specsuite.models_cli", "bench": "specsuite.bench", "bench-ray": "specsuite.bench_ray",
             "step-cost": "specsuite.step_cost", "gec": "specsuite.apps.gec.cli", "rag": "specsuite.apps.rag.cli",
             "serve": "specsuite.apps.server_cli", "bench-openai": "specsuite.bench_openai",
-            "eval": "specsuite.apps.eval_cli"}
+            "eval": "specsuite.apps.eval_cli", "train": "specsuite.training.cli"}
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

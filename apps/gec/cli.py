@@ -15,11 +15,15 @@ from tqdm import tqdm
 from specsuite.apps import limits
 from specsuite.models import DEFAULT_MODEL
 
+from specsuite.adapters import describe_adapter
 from specsuite.apps.jobs import ResumeError, run_batch
 from .corrector import DEFAULT_BATCH_SIZE, DRAFTERS, Corrector, combine_stats, correction_worker, demo_sentences
+
 from .gleu import corpus_gleu, read_tokenized, tokenize
 from .overedit import over_edit_rate
 
+ADAPTER_HELP = ("auto: the GEC adapter shipped for the preset, if any (default); none: the base model; or a "
+                "folder written by `specsuite train gec`")
 SERVE_BATCH_SIZE = 8  # `gec ui`: concurrent users' corrections decoded together in one running batch
 
 
@@ -30,7 +34,8 @@ def _settings(args: argparse.Namespace) -> dict:
     exact, int8 = getattr(args, "exact", False), getattr(args, "int8", False)
     return {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "batch_size": 1 if exact else getattr(args, "batch_size", DEFAULT_BATCH_SIZE),
-            "backend": "int8" if int8 else "exact" if exact else "auto", "style": getattr(args, "style", "minimal")}
+            "backend": "int8" if int8 else "exact" if exact else "auto", "style": getattr(args, "style", "minimal"),
+            "adapter": args.adapter}
 
 
 def _corrector(args: argparse.Namespace) -> Corrector:
@@ -157,6 +162,8 @@ def _eval(args: argparse.Namespace) -> int:
         Path(args.out).write_text("".join(" ".join(h) + "\n" for h in hypotheses), encoding="utf-8")
     src_tokens = [tokenize(s) for s in sources]
     refs_per_sentence = [list(r) for r in zip(*references)]
+    if not args.corrections:
+        print(f"{args.model}, adapter {describe_adapter(args.adapter, 'gec', args.model)}")
     print(f"GLEU on {len(sources)} sentences, {len(args.refs)} references each")
     for name, hyps in (("corrections", hypotheses), ("source (no edits)", src_tokens)):
         g = corpus_gleu(src_tokens, refs_per_sentence, hyps)
@@ -232,6 +239,7 @@ def _ui(args: argparse.Namespace) -> int:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"preset name or local model directory (default {DEFAULT_MODEL})")
+    p.add_argument("--adapter", default="auto", help=ADAPTER_HELP)
     p.add_argument("--drafter", choices=DRAFTERS, default="copy", help="how drafts are made (default copy)")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
     p.add_argument("--max-new-tokens", type=int, help="per segment (default 2 x its tokens + 16)")

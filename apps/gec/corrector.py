@@ -93,13 +93,16 @@ class Corrector:
 
     def __init__(self, model: str = DEFAULT_MODEL, drafter: str = "copy", dtype: str | None = None,
                  max_new_tokens: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-                 backend: str = "auto", style: str = "minimal") -> None:
+                 backend: str = "auto", style: str = "minimal", adapter: str | None = "auto") -> None:
         """backend: how the forwards are computed (`core.backend.choose_backend`): "auto", or
         "exact" for output token for token greedy's where `auto` would verify with plain bf16
         calls (CPUs without AMX), at the cost of speed; "plain": the model's own forward.
-        style: "minimal" edits (default) or "fluent" rewriting (`prompt.STYLES`)."""
+        style: "minimal" edits (default) or "fluent" rewriting (`prompt.STYLES`).
+        adapter: "auto" (the GEC adapter shipped for this preset, if any), "none" (the base
+        model), or a folder written by `specsuite train gec`; merged into the weights at load."""
         _check(drafter, max_new_tokens, batch_size, style, backend)  # before the slow load
-        self._setup(*load_model(model, dtype=dtype), drafter, max_new_tokens, batch_size, backend, style)
+        self._setup(*load_model(model, dtype=dtype, adapter=adapter, task="gec"), drafter, max_new_tokens, batch_size,
+                    backend, style)
 
     @classmethod
     def from_loaded(cls, model, tokenizer, drafter: str = "copy", max_new_tokens: int | None = None,

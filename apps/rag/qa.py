@@ -202,18 +202,20 @@ class RagQA:
         a bad question or k is an InputError before any model work.
     backend: a `choose_backend` kind: "auto" (default), "exact", "plain", or "int8" (every linear
         layer in int8: answers are int8 greedy decoding's, not the model's own).
+    adapter: "auto" (the RAG adapter shipped for this preset, if any), "none" (the base model),
+        or a folder written by `specsuite train rag`; merged into the weights at load.
     """
 
     def __init__(self, index_dir: str | None = None, model: str = DEFAULT_MODEL, drafter: str = "reference",
                  prefix_cache_bytes: int | None = None, max_new_tokens: int = 256, dtype: str | None = None,
                  max_question_tokens: int | None = None, batch_size: int = 1, draft_model: str | None = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", adapter: str | None = "auto") -> None:
         index = None
         if index_dir is not None:
             from specsuite.retrieval import PassageIndex
 
             index = PassageIndex.load(index_dir)
-        loaded, tokenizer = load_model(model, dtype=dtype)
+        loaded, tokenizer = load_model(model, dtype=dtype, adapter=adapter, task="rag")
         small = load_model(draft_model, dtype=loaded.dtype)[0] if draft_model else None
         self._setup(loaded, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens,
                     batch_size, small, choose_backend(loaded, backend))
