@@ -37,6 +37,7 @@ runs cannot interleave. Nothing retries error records: delete the output to redo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -118,6 +119,7 @@ def run_batch(
         done = writer.resume()
         if done.lines > total:
             raise ResumeError(f"{output_path} has {done.lines} records but {input_path} only {total} lines")
+        same_input(input_path, output_path, resuming=done.lines > 0)
         ok, errors, warnings = done.lines - done.errors, done.errors, done.warnings
         if done.lines == total:
             return BatchSummary(total, ok, errors, done.lines, warnings)
@@ -142,6 +144,27 @@ def run_batch(
                 bar.set_postfix(postfix, refresh=False)
                 bar.update(1)
     return BatchSummary(total, ok, errors, done.lines, warnings, time.perf_counter() - start)
+
+
+def same_input(input_path: Path, output_path: Path, resuming: bool) -> None:
+    """Record the input's size and sha256 beside the output (OUT.input.json); on resume, refuse
+    an input that changed since: its records would be appended after another file's."""
+    stamp_path = output_path.with_name(output_path.name + ".input.json")
+    digest = hashlib.sha256()
+    with open(input_path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    stamp = {"input": str(input_path), "bytes": input_path.stat().st_size, "sha256": digest.hexdigest()}
+    if resuming and stamp_path.exists():
+        before = json.loads(stamp_path.read_text(encoding="utf-8"))
+        if (before.get("bytes"), before.get("sha256")) != (stamp["bytes"], stamp["sha256"]):
+            raise ResumeError(f"{input_path} changed since {output_path} was started from it ({before.get('bytes')} -> "
+                              f"{stamp['bytes']} bytes, another sha256): write to a new output, or delete "
+                              f"{output_path} to start over")
+        return
+    tmp = stamp_path.with_name(stamp_path.name + ".tmp")
+    tmp.write_text(json.dumps(stamp), encoding="utf-8")
+    os.replace(tmp, stamp_path)
 
 
 # ---- reading the input -------------------------------------------------------------------

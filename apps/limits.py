@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -182,6 +183,33 @@ class Deadline:
             self.check()
 
         return step
+
+
+API_KEY_ENV = "SPECSUITE_API_KEY"
+API_KEY_HELP = (f"the key callers must present (API: 'Authorization: Bearer KEY'; browsers: any user name with "
+                f"KEY as password); default ${API_KEY_ENV}; none: open to whoever reaches the port")
+
+
+def api_key(given: str | None) -> str | None:
+    """The key an app asks for: the option's, else $SPECSUITE_API_KEY's, else None (no key)."""
+    return given or os.environ.get(API_KEY_ENV) or None
+
+
+def exposure_warning(host: str, key: str | None) -> str | None:
+    """A warning for an app bound beyond this machine without a key: anyone on the network can use it."""
+    if key or host in ("127.0.0.1", "localhost", "::1"):
+        return None
+    return (f"warning: listening on {host} without an API key: anyone who can reach this port can run the model "
+            f"and read what it serves; set --api-key or ${API_KEY_ENV}")
+
+
+def gradio_auth(key: str | None):
+    """Gradio's `auth` for a standalone UI: the key as the password (any user name); None: no login."""
+    if not key:
+        return None
+    import hmac
+
+    return lambda _user, password: hmac.compare_digest(str(password).encode(), key.encode())
 
 
 SHARE_WARNING = ("warning: --share makes this app public: anyone with the gradio.live link can use it and "

@@ -181,7 +181,8 @@ def sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode("utf-8")
 
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "timeout_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 415: "invalid_request_error",
+               404: "not_found_error", 408: "timeout_error",
                429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
 
 

@@ -12,7 +12,10 @@ build their OpenAI Batch output lines from the apps' results with the same `open
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import hmac
 import json
 import queue
 import threading
@@ -258,12 +261,38 @@ def _status(e: Exception) -> int | None:
     return next((code for kind, code in STATUS.items() if isinstance(e, kind)), None)
 
 
-def create_app(service: ChatService, ui: bool = True):
-    """The FastAPI app over `service`; with `ui`, the GEC and RAG Gradio apps at /gec and /rag."""
+def presented_key(authorization: str) -> str | None:
+    """The key an Authorization header carries: a Bearer token (API clients), or the password of
+    Basic credentials (what a browser sends for the mounted UIs after its login prompt)."""
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip()
+    if scheme.lower() == "basic":
+        try:
+            return base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+    return None
+
+
+def create_app(service: ChatService, ui: bool = True, api_key: str | None = None):
+    """The FastAPI app over `service`; with `ui`, the GEC and RAG Gradio apps at /gec and /rag.
+    api_key: every route asks for it (a Bearer token; the UIs also take it as a browser's Basic
+    password); None: open, for loopback use."""
     app = FastAPI(title="specsuite", description=__doc__)
 
-    def fail(status: int, message: str) -> JSONResponse:
-        return JSONResponse(api.error(status, message), status_code=status)
+    def fail(status: int, message: str, **headers: str) -> JSONResponse:
+        return JSONResponse(api.error(status, message), status_code=status, headers=headers or None)
+
+    if api_key:
+        @app.middleware("http")
+        async def check_key(http: HttpRequest, call_next):
+            key = presented_key(http.headers.get("authorization", ""))
+            if key is None or not hmac.compare_digest(key.encode(), api_key.encode()):
+                # Basic makes a browser ask for the key (as the password) on the UIs; clients send Bearer.
+                challenge = {} if http.url.path.startswith("/v1/") else {"WWW-Authenticate": 'Basic realm="specsuite"'}
+                return fail(401, "a valid API key is needed: send 'Authorization: Bearer <key>'", **challenge)
+            return await call_next(http)
 
     @app.get("/v1/models")
     def models() -> dict:
@@ -273,6 +302,10 @@ def create_app(service: ChatService, ui: bool = True):
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
         deadline = Deadline(service.time_budget_s)  # from the request's arrival: retrieval and waiting count
+        # Only JSON: a cross-site form or text/plain POST (a "simple" request browsers send without
+        # asking) never reaches the model.
+        if http.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            return fail(415, "the request body must be JSON with 'Content-Type: application/json'")
         try:
             body = json.loads(await http.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -15,6 +15,9 @@ from .server import DEFAULT_BATCH_SIZE, DEFAULT_MAX_QUEUE
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    key = limits.api_key(args.api_key)
+    if warning := limits.exposure_warning(args.host, key):
+        print(warning, file=sys.stderr)
     from .server import ChatService, create_app, loading_app
 
     # The port answers 503 while the model loads, so clients can wait for it (Retry-After).
@@ -35,7 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
         service = ChatService.from_loaded(model, tokenizer, index, batch_size=args.batch_size,
                                           time_budget_s=args.time_budget, max_queue=args.max_queue,
                                           model_name=args.model_name)
-        app = create_app(service, ui=not args.no_ui)
+        app = create_app(service, ui=not args.no_ui, api_key=key)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -61,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--index", help="a passage index (`specsuite rag index`): serves the specsuite-rag model")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--api-key", help=limits.API_KEY_HELP)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--batch-size", type=_positive, default=DEFAULT_BATCH_SIZE,
                    help=f"sequences decoded together in the one running batch (default {DEFAULT_BATCH_SIZE})")

@@ -58,7 +58,9 @@ def cost_file(model, cache_dir: str | Path | None = None, measure: str = "engine
     if cache_dir is None:
         if os.environ.get("SPECSUITE_NO_COST_CACHE"):
             return None
-        cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specsuite" / "step_cost"
+        # specsuite's cache (as `specsuite.models.cache_dir`): $SPECSUITE_CACHE, else under XDG's
+        root = os.environ.get("SPECSUITE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specsuite"
+        cache_dir = Path(root).expanduser() / "step_cost"
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")

@@ -49,3 +49,17 @@ def test_goodput_cap_follows_the_step_cost_and_the_acceptance_seen():
         failing.update(accepted=0, deepest=failing.value)
     assert failing.value < sloped.rows[1] < passing.value
     assert failing.tried == 10 and passing.accepted == passing.tried
+
+
+def test_step_costs_are_kept_under_the_cache_the_user_set(monkeypatch, tmp_path):
+    from conftest import model_for
+
+    from specsuite.core.draft_budget import cost_file
+    from specsuite.models import cache_dir
+
+    monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
+    monkeypatch.setenv("SPECSUITE_CACHE", str(tmp_path / "mine"))
+    assert cost_file(model_for("llama")).parent == tmp_path / "mine" / "step_cost" == cache_dir() / "step_cost"
+    monkeypatch.delenv("SPECSUITE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cost_file(model_for("llama")).parent == tmp_path / "xdg" / "specsuite" / "step_cost" == cache_dir() / "step_cost"

@@ -193,6 +193,21 @@ def test_resuming_a_finished_job_does_not_load_the_corrector(tmp_path, suffix):
     assert again.skipped_resumed == 3 and again.errors == 1 and again.warnings == 1
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
+def test_a_job_refuses_to_resume_on_a_changed_input(tmp_path, suffix):
+    inp = write_lines(tmp_path / "in.txt", ["a b", "c d", "e f"])
+    out = tmp_path / f"out{suffix}"
+    run_batch(inp, out, FakeCorrector.worker, progress=False)
+    write_lines(inp, ["a b", "c X", "e f", "g h"])  # edited, and a line more to do
+    with pytest.raises(ResumeError, match="changed since"):
+        run_batch(inp, out, never, progress=False)
+    write_lines(inp, ["a b", "c d", "e f", "g h"])
+    with pytest.raises(ResumeError, match="changed since"):  # appended to: still another file than the one started
+        run_batch(inp, out, never, progress=False)
+    fresh = run_batch(inp, tmp_path / f"new{suffix}", FakeCorrector.worker, progress=False)
+    assert fresh.ok + fresh.errors == 4
+
+
 def kill_9_after(child: subprocess.Popen, out: Path, lines: int, within_s: float) -> None:
     """SIGKILL `child` as soon as `out` holds `lines` lines."""
     try:
@@ -231,11 +246,18 @@ def test_resume_after_kill_9(tmp_path, suffix):
     check_complete(out, INPUT)
 
 
+def forget_input(out: Path) -> None:
+    """Make `out` a partial output of the longer input the test goes on with: drop the record of the
+    shorter file it was written from (outputs without one resume unchecked, as before inputs were recorded)."""
+    out.with_name(out.name + ".input.json").unlink()
+
+
 @pytest.mark.parametrize("tail", [b'{"line": 4, "source": "senten', b"\x00\x00\x00\n", b'{"line": 4}\n{"li'])
 def test_partial_or_garbled_last_jsonl_line_is_repaired(tmp_path, tail):
     inp = write_lines(tmp_path / "in.txt", INPUT[:6])
     out = tmp_path / "out.jsonl"
     run_batch(write_lines(tmp_path / "head.txt", INPUT[:3]), out, FakeCorrector.worker, progress=False)
+    forget_input(out)
     with open(out, "ab") as f:
         f.write(tail)
     summary = run_batch(inp, out, FakeCorrector.worker, progress=False)
@@ -251,6 +273,7 @@ def test_partial_txt_line_and_early_sidecar_record_are_repaired(tmp_path):
     inp = write_lines(tmp_path / "in.txt", ["one.", "two.", "BOOM three.", "four."])
     out = tmp_path / "out.txt"
     run_batch(write_lines(tmp_path / "head.txt", ["one.", "two."]), out, FakeCorrector.worker, progress=False)
+    forget_input(out)
     # A crash after the sidecar record of line 3 and half of its text line:
     with open(out, "ab") as f:
         f.write(b"BOOM th")

@@ -180,8 +180,59 @@ def test_bad_input_is_a_400_with_a_message(client, server):
         assert e.value.status_code == 400 and message in e.value.body["message"]
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
-    response = httpx.post(server[1] + "/v1/chat/completions", content=b"{not json", timeout=30)
+    response = httpx.post(server[1] + "/v1/chat/completions", content=b"{not json", timeout=30,
+                          headers={"Content-Type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    # a body a cross-site form could send (no CORS preflight) is refused before any model work
+    body = json.dumps({"model": "specsuite-gec", "messages": [{"role": "user", "content": "He go."}]})
+    for content_type in (None, "text/plain", "application/x-www-form-urlencoded"):
+        response = httpx.post(server[1] + "/v1/chat/completions", content=body, timeout=30,
+                              headers={"Content-Type": content_type} if content_type else {})
+        assert response.status_code == 415 and "application/json" in response.json()["error"]["message"]
+
+
+def test_an_api_key_guards_every_route_and_the_uis(smollm2_fp32):
+    import base64
+
+    import httpx
+
+    from specsuite.apps.server import ChatService, create_app
+
+    service = ChatService.from_loaded(*smollm2_fp32, batch_size=2)
+    url, stop = serve(create_app(service, ui=True, api_key="s3cret"))
+    try:
+        messages = [{"role": "user", "content": "He go home."}]
+        for key in ("none", "s3cre", "s3cret "):
+            bad = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as e:
+                bad.chat.completions.create(model="specsuite-gec", messages=messages)
+            assert e.value.status_code == 401 and e.value.body["type"] == "authentication_error"
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.chat.completions.create(model="specsuite-gec", messages=messages).choices[0].message.content
+        assert "specsuite-gec" in [m.id for m in good.models.list()]
+        # the mounted UI: a browser is asked for the key (Basic), then let in
+        page = httpx.get(url + "/gec/", timeout=60)
+        assert page.status_code == 401 and page.headers["www-authenticate"].startswith("Basic")
+        basic = "Basic " + base64.b64encode(b"anyone:s3cret").decode()
+        assert httpx.get(url + "/gec/", timeout=60, headers={"Authorization": basic}).status_code == 200
+        assert httpx.get(url + "/v1/models", timeout=30).json()["error"]["type"] == "authentication_error"
+    finally:
+        stop()
+
+
+def test_an_exposed_app_without_a_key_is_warned_about(monkeypatch):
+    from specsuite.apps import limits
+
+    monkeypatch.delenv(limits.API_KEY_ENV, raising=False)
+    assert limits.api_key(None) is None and limits.exposure_warning("127.0.0.1", None) is None
+    assert "without an API key" in limits.exposure_warning("0.0.0.0", None)
+    assert limits.exposure_warning("0.0.0.0", "k") is None
+    monkeypatch.setenv(limits.API_KEY_ENV, "from-env")
+    assert limits.api_key(None) == "from-env" and limits.api_key("given") == "given"
+    check = limits.gradio_auth("k")
+    assert check("user", "k") and not check("user", "x") and limits.gradio_auth(None) is None
 
 
 def test_a_request_over_its_time_budget_gets_408(smollm2_fp32):

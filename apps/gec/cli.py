@@ -222,6 +222,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _ui(args: argparse.Namespace) -> int:
     if args.share:
         print(limits.SHARE_WARNING, file=sys.stderr)
+    key = limits.api_key(args.api_key)
+    if warning := limits.exposure_warning(args.host, key):
+        print(warning, file=sys.stderr)
     try:
         corrector = _corrector(args)
     except (ValueError, RuntimeError) as e:
@@ -230,7 +233,7 @@ def _ui(args: argparse.Namespace) -> int:
     from .ui import launch  # gradio takes seconds to import: only for this command
 
     launch(corrector, host=args.host, port=args.port, share=args.share, time_budget_s=args.time_budget,
-           batch_size=1 if args.exact else args.batch_size)
+           batch_size=1 if args.exact else args.batch_size, auth=limits.gradio_auth(key))
     return 0
 
 
@@ -302,6 +305,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     u = gsub.add_parser("ui", help="launch the Gradio web UI")
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=7860)
+    u.add_argument("--api-key", help=limits.API_KEY_HELP)
     u.add_argument("--share", action="store_true", help="also open a public Gradio share link (the app becomes public)")
     u.add_argument("--max-input-tokens", type=limits.token_limit_arg, metavar="N",
                    help="longest text accepted (default: the segment limit, 1024 tokens for the presets)")

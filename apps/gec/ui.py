@@ -192,9 +192,10 @@ def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_B
 
 def launch(corrector: Corrector, host: str = "127.0.0.1", port: int = 7860, share: bool = False,
            prevent_thread_lock: bool = False, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S,
-           batch_size: int = 1) -> gr.Blocks:
-    """Build the app, warm it up, and serve it (blocking unless `prevent_thread_lock`); returns the app."""
+           batch_size: int = 1, auth=None) -> gr.Blocks:
+    """Build the app, warm it up, and serve it (blocking unless `prevent_thread_lock`); returns the
+    app. auth: Gradio's login check (`limits.gradio_auth`), None for none."""
     app = build_app(corrector, time_budget_s, batch_size, warm_up=True)
     app.queue().launch(server_name=host, server_port=port, share=share, prevent_thread_lock=prevent_thread_lock,
-                       max_threads=UI_THREADS)
+                       max_threads=UI_THREADS, auth=auth)
     return app

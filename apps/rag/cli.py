@@ -80,8 +80,12 @@ def _ui(args: argparse.Namespace) -> int:
 
     if args.share:
         print(limits.SHARE_WARNING, file=sys.stderr)
+    key = limits.api_key(args.api_key)
+    if warning := limits.exposure_warning(args.host, key):
+        print(warning, file=sys.stderr)
     build_app(qa, time_budget_s=args.time_budget, warm_up=True).launch(
-        server_name=args.host, server_port=args.port, share=args.share, max_threads=UI_THREADS)
+        server_name=args.host, server_port=args.port, share=args.share, max_threads=UI_THREADS,
+        auth=limits.gradio_auth(key))
     return 0
 
 
@@ -166,6 +170,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("index_dir", metavar="INDEX_DIR")
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=7861)
+    u.add_argument("--api-key", help=limits.API_KEY_HELP)
     u.add_argument("--share", action="store_true", help="also open a public Gradio share link (the app becomes public)")
     u.add_argument("--time-budget", type=limits.time_budget_arg, default=limits.DEFAULT_TIME_BUDGET_S, metavar="S",
                    help="seconds a request may take, waiting included (default 180; 0: no limit)")
