@@ -21,6 +21,13 @@ from specsuite.apps.limits import InputError, check_k
 GEC_MODEL, RAG_MODEL = "specsuite-gec", "specsuite-rag"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4  # as OpenAI: at most 4 stop sequences
+# Bounds checked before any model work, so that no request costs more to refuse than to read:
+MAX_BODY_BYTES = 1 << 20
+MAX_MESSAGES = 256
+MAX_CHARS = 200_000  # all messages' characters together: beyond any served model's context
+MAX_STOP_CHARS = 64
+MAX_TOKENS_CAP = 4096  # the longest reply a request may ask for
+MAX_SEED = 2**63 - 1
 BATCH_URL = "/v1/chat/completions"
 # Record fields of an app's result that are not extras of the response (they are its content,
 # `usage` or `speculation`).
@@ -89,30 +96,40 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InputError("'messages' must be a non-empty list of {role, content} objects")
+    if len(messages) > MAX_MESSAGES:
+        raise InputError(f"{len(messages):,} messages: at most {MAX_MESSAGES} are taken")
     messages = [_content(m, i) for i, m in enumerate(messages)]
+    if (chars := sum(len(m["content"]) for m in messages)) > MAX_CHARS:
+        raise InputError(f"the messages hold {chars:,} characters: at most {MAX_CHARS:,} are taken")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InputError(f"'stream' must be true or false, got {stream!r}")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise InputError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or not 1 <= max_tokens <= MAX_TOKENS_CAP):
+        raise InputError(f"'max_tokens' must be an integer from 1 to {MAX_TOKENS_CAP}, got {max_tokens!r}")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise InputError(f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings")
+    if (not isinstance(stop, list) or len(stop) > MAX_STOP
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
+        raise InputError(f"'stop' must be a string or a list of at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} "
+                         f"characters")
     n = body.get("n", 1)
     if n != 1:
         raise InputError(f"only n=1 is supported, got {n!r}")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise InputError(f"'seed' must be an integer, got {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise InputError(f"'seed' must be an integer from 0 to {MAX_SEED}, got {seed!r}")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InputError("'stream_options' must be an object")
     k = body.get("k")
+    temperature, top_p = _number(body, "temperature", 0.0, 2.0), _number(body, "top_p", 0.0, 1.0)
+    if top_p == 0:  # only the most likely token is left: greedy decoding
+        temperature, top_p = None, 1.0
     return ChatRequest(
         model=model, messages=messages, stream=stream, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0) or 1.0,
+        temperature=temperature, top_p=1.0 if top_p is None else top_p,
         stop=list(stop), seed=seed, k=None if k is None else check_k(k),
         include_usage=bool(options.get("include_usage")),
     )

@@ -306,8 +306,13 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
         # asking) never reaches the model.
         if http.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             return fail(415, "the request body must be JSON with 'Content-Type: application/json'")
+        raw = bytearray()
+        async for piece in http.stream():  # read no more than the limit, whatever Content-Length says
+            raw += piece
+            if len(raw) > api.MAX_BODY_BYTES:
+                return fail(400, f"the request body is over {api.MAX_BODY_BYTES:,} bytes")
         try:
-            body = json.loads(await http.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return fail(400, f"the request body is not JSON: {e}")
         try:

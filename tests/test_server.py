@@ -89,6 +89,21 @@ def test_parse_chat_request_checks_the_body():
         api.parse_chat_request({"model": "m", "messages": [{"role": "system", "content": "s"}]}).last_user_text
 
 
+def test_requests_past_the_limits_are_refused_before_any_model_work():
+    user = {"role": "user", "content": "x"}
+    for extra, message in [({"messages": [user] * (api.MAX_MESSAGES + 1)}, "messages: at most"),
+                           ({"messages": [{"role": "user", "content": "x" * (api.MAX_CHARS + 1)}]}, "characters"),
+                           ({"max_tokens": api.MAX_TOKENS_CAP + 1}, "max_tokens"),
+                           ({"stop": ["x" * (api.MAX_STOP_CHARS + 1)]}, "stop"),
+                           ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+                           ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"n": 0}, "n=1")]:
+        with pytest.raises(InputError, match=message):
+            api.parse_chat_request({"model": "m", "messages": [user], **extra})
+    greedy = api.parse_chat_request({"model": "m", "messages": [user], "temperature": 0.8, "top_p": 0})
+    assert greedy.temperature is None and greedy.top_p == 1.0  # top_p 0 leaves one token: greedy
+    assert api.parse_chat_request({"model": "m", "messages": [user], "top_p": 0.5}).top_p == 0.5
+
+
 def test_sse_and_error_shapes():
     assert api.sse("[DONE]") == b"data: [DONE]\n\n"
     assert json.loads(api.sse({"a": "é"})[6:]) == {"a": "é"}
@@ -185,6 +200,12 @@ def test_bad_input_is_a_400_with_a_message(client, server):
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     # a body a cross-site form could send (no CORS preflight) is refused before any model work
     body = json.dumps({"model": "specsuite-gec", "messages": [{"role": "user", "content": "He go."}]})
+    big = json.dumps({"model": "specsuite-gec", "messages": [{"role": "user", "content": "x" * (api.MAX_BODY_BYTES + 1)}]})
+    start = time.monotonic()
+    response = httpx.post(server[1] + "/v1/chat/completions", content=big, timeout=30,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and "bytes" in response.json()["error"]["message"]
+    assert time.monotonic() - start < 5
     for content_type in (None, "text/plain", "application/x-www-form-urlencoded"):
         response = httpx.post(server[1] + "/v1/chat/completions", content=body, timeout=30,
                               headers={"Content-Type": content_type} if content_type else {})
