@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from specsuite.apps import openai_api as api
@@ -96,16 +97,27 @@ class ChatService:
 
     # ---- admission ---------------------------------------------------------------------------
 
-    def admit(self) -> None:
-        """Take one of the server's request places (give it back with `release`), or QueueFull."""
+    def admit(self) -> Callable[[], None]:
+        """Take one of the server's request places, or QueueFull; returns the place's release,
+        which gives it back once however many paths call it (done, error, cancel, disconnect)."""
         with self._lock:
             if self._held >= self.max_requests:
                 raise QueueFull(f"the server holds {self._held} requests, its limit; try again later")
             self._held += 1
+        released = threading.Event()
 
-    def release(self) -> None:
-        with self._lock:
-            self._held -= 1
+        def release() -> None:
+            with self._lock:
+                if not released.is_set():
+                    released.set()
+                    self._held -= 1
+
+        return release
+
+    @property
+    def held(self) -> int:
+        """Request places taken now."""
+        return self._held
 
     # ---- plans -------------------------------------------------------------------------------
 
@@ -317,22 +329,28 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
             return fail(400, f"the request body is not JSON: {e}")
         try:
             req = api.parse_chat_request(body)
-            service.admit()
+            release = service.admit()
         except Exception as e:  # noqa: BLE001 - mapped to its status below
             if (status := _status(e)) is None:
                 raise
             return fail(status, str(e))
+        streaming = False
         try:
             plan = await run_in_threadpool(service.plan, req)  # the app's checks; retrieval for RAG
             if not req.stream:
                 reply = await run_in_threadpool(service.complete, req, plan, deadline)
-                service.release()
                 return api.completion(reply, req.model)
+            # The stream's own `finally` gives the place back; the background task too, for a
+            # caller gone before the stream's first byte (its generator then never starts).
+            streaming = True
+            return StreamingResponse(_events(service, req, plan, deadline, release), media_type="text/event-stream",
+                                     background=BackgroundTask(release))
         except Exception as e:  # noqa: BLE001
-            service.release()
             status = _status(e)
             return fail(status or 500, str(e) if status else f"{type(e).__name__}: {e}")
-        return StreamingResponse(_events(service, req, plan, deadline), media_type="text/event-stream")
+        finally:  # also on cancellation (a caller gone while waiting), which is no Exception
+            if not streaming:
+                release()
 
     if ui:
         import gradio as gr
@@ -346,7 +364,8 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
     return app
 
 
-def _events(service: ChatService, req: api.ChatRequest, plan: Plan, deadline: Deadline) -> Iterator[bytes]:
+def _events(service: ChatService, req: api.ChatRequest, plan: Plan, deadline: Deadline,
+            release: Callable[[], None]) -> Iterator[bytes]:
     """The server-sent events of a streamed completion (run by Starlette in a worker thread)."""
     id_, created = api.completion_id(), int(time.time())
     try:
@@ -363,7 +382,7 @@ def _events(service: ChatService, req: api.ChatRequest, plan: Plan, deadline: De
         status = _status(e) or 500
         yield api.sse(api.error(status, str(e) if status != 500 else f"{type(e).__name__}: {e}"))
     finally:
-        service.release()
+        release()
     yield api.sse("[DONE]")
 
 

@@ -291,6 +291,47 @@ def test_eight_concurrent_clients_share_one_batch(server, client):
     assert forwards < sequential  # the sequences stepped in shared forwards
 
 
+def test_callers_that_go_away_give_their_places_back(smollm2_fp32):
+    import socket
+
+    import httpx
+
+    from specsuite.apps.server import ChatService, create_app
+
+    service = ChatService.from_loaded(*smollm2_fp32, batch_size=2, max_queue=2)
+    url, stop = serve(create_app(service, ui=False))
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "specsuite-gec", "stream": True,
+                       "messages": [{"role": "user", "content": "\n".join(SENTENCES)}]})
+
+    def gone_before_the_reply(_):  # the request sent, the connection closed at once
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+
+    def gone_mid_stream(_):
+        with httpx.stream("POST", url + "/v1/chat/completions", content=body, timeout=60,
+                          headers={"Content-Type": "application/json"}) as r:
+            if r.status_code == 200:
+                next(r.iter_bytes())
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(gone_before_the_reply, range(30)))
+            list(pool.map(gone_mid_stream, range(30)))
+        deadline = time.monotonic() + 60
+        while service.held:
+            assert time.monotonic() < deadline, f"{service.held} places never given back"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        with ThreadPoolExecutor(4) as pool:  # the full capacity (2 in the batch, 2 queued) is there again
+            replies = list(pool.map(lambda s: client.chat.completions.create(
+                model="specsuite-gec", messages=[{"role": "user", "content": s}]), SENTENCES[:4]))
+        assert all(r.choices[0].message.content for r in replies)
+    finally:
+        stop()
+
+
 def test_a_full_server_answers_429(smollm2_fp32):
     from specsuite.apps.server import ChatService, create_app
 
