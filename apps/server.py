@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
@@ -35,6 +35,7 @@ from specsuite.apps.gec.limits import check_source
 from specsuite.apps.limits import (Deadline, InputError, OverBudgetError, TimeBudgetExceeded, admit, check_limit,
                                    check_text)
 from specsuite.apps.rag.qa import RagQA
+from specsuite.apps.metrics import Metrics
 from specsuite.apps.serving import BatchServer, wait
 from specsuite.core import Generation, PromptLookupDrafter, Sampling
 from specsuite.core.engine import BatchEngine, Request
@@ -81,7 +82,8 @@ class ChatService:
                              backend=corrector.backend)
         self.batch = BatchServer(engine)
         qa._server = self.batch  # the RAG UI's requests join the same batch (RagQA with batch_size > 1)
-        self.max_requests = batch_size + max_queue
+        self.max_requests, self.batch_size = batch_size + max_queue, batch_size
+        self.metrics = Metrics()
         self._held = 0
         self._lock = threading.Lock()
 
@@ -299,6 +301,8 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
     if api_key:
         @app.middleware("http")
         async def check_key(http: HttpRequest, call_next):
+            if http.url.path == "/health":  # for load balancers and supervisors: says nothing served
+                return await call_next(http)
             key = presented_key(http.headers.get("authorization", ""))
             if key is None or not hmac.compare_digest(key.encode(), api_key.encode()):
                 # Basic makes a browser ask for the key (as the password) on the UIs; clients send Bearer.
@@ -311,43 +315,62 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "specsuite"}
                                            for m in service.models]}
 
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ready", "models": service.models}
+
+    @app.get("/metrics")
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(service.metrics.render(service.held, service.max_requests, service.batch_size),
+                                 media_type="text/plain; version=0.0.4")
+
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
+        start = time.monotonic()
+        response, model, stats = await answer(http, start)
+        if not isinstance(response, StreamingResponse):  # a stream counts itself when it ends
+            service.metrics.request(model, response.status_code, time.monotonic() - start, stats)
+        return response
+
+    async def answer(http: HttpRequest, start: float) -> tuple[Response, str, dict | None]:
+        """The response, the model asked for ("" where unknown) and the reply's stats (None if none)."""
         deadline = Deadline(service.time_budget_s)  # from the request's arrival: retrieval and waiting count
         # Only JSON: a cross-site form or text/plain POST (a "simple" request browsers send without
         # asking) never reaches the model.
         if http.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-            return fail(415, "the request body must be JSON with 'Content-Type: application/json'")
+            return fail(415, "the request body must be JSON with 'Content-Type: application/json'"), "", None
         raw = bytearray()
         async for piece in http.stream():  # read no more than the limit, whatever Content-Length says
             raw += piece
             if len(raw) > api.MAX_BODY_BYTES:
-                return fail(400, f"the request body is over {api.MAX_BODY_BYTES:,} bytes")
+                return fail(400, f"the request body is over {api.MAX_BODY_BYTES:,} bytes"), "", None
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return fail(400, f"the request body is not JSON: {e}")
+            return fail(400, f"the request body is not JSON: {e}"), "", None
+        model = str(body.get("model", "")) if isinstance(body, dict) else ""
         try:
             req = api.parse_chat_request(body)
             release = service.admit()
         except Exception as e:  # noqa: BLE001 - mapped to its status below
             if (status := _status(e)) is None:
                 raise
-            return fail(status, str(e))
+            return fail(status, str(e)), model, None
         streaming = False
         try:
             plan = await run_in_threadpool(service.plan, req)  # the app's checks; retrieval for RAG
             if not req.stream:
                 reply = await run_in_threadpool(service.complete, req, plan, deadline)
-                return api.completion(reply, req.model)
+                return JSONResponse(api.completion(reply, req.model)), model, reply.stats
             # The stream's own `finally` gives the place back; the background task too, for a
             # caller gone before the stream's first byte (its generator then never starts).
             streaming = True
-            return StreamingResponse(_events(service, req, plan, deadline, release), media_type="text/event-stream",
-                                     background=BackgroundTask(release))
+            events = _events(service, req, plan, deadline, release, start)
+            return (StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(release)),
+                    model, None)
         except Exception as e:  # noqa: BLE001
             status = _status(e)
-            return fail(status or 500, str(e) if status else f"{type(e).__name__}: {e}")
+            return fail(status or 500, str(e) if status else f"{type(e).__name__}: {e}"), model, None
         finally:  # also on cancellation (a caller gone while waiting), which is no Exception
             if not streaming:
                 release()
@@ -365,15 +388,17 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
 
 
 def _events(service: ChatService, req: api.ChatRequest, plan: Plan, deadline: Deadline,
-            release: Callable[[], None]) -> Iterator[bytes]:
+            release: Callable[[], None], start: float) -> Iterator[bytes]:
     """The server-sent events of a streamed completion (run by Starlette in a worker thread)."""
     id_, created = api.completion_id(), int(time.time())
+    status, stats = 200, None
     try:
         yield api.sse(api.chunk(id_, req.model, created, {"role": "assistant", "content": ""}))
         for item in service.stream(req, plan, deadline):
             if isinstance(item, str):
                 yield api.sse(api.chunk(id_, req.model, created, {"content": item}))
                 continue
+            stats = item.stats
             yield api.sse(api.chunk(id_, req.model, created, {}, item.finish_reason, **item.extras,
                                     speculation=api.speculation(item.stats)))
             if req.include_usage:
@@ -383,12 +408,17 @@ def _events(service: ChatService, req: api.ChatRequest, plan: Plan, deadline: De
         yield api.sse(api.error(status, str(e) if status != 500 else f"{type(e).__name__}: {e}"))
     finally:
         release()
+        service.metrics.request(req.model, status, time.monotonic() - start, stats)
     yield api.sse("[DONE]")
 
 
 def loading_app(model: str):
     """What the port answers while the model loads: 503 to every request."""
     app = FastAPI()
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     def loading(path: str) -> JSONResponse:

@@ -114,6 +114,38 @@ def test_sse_and_error_shapes():
 
 # ---- the real server -------------------------------------------------------------------------
 
+def test_health_and_metrics(server, client):
+    import httpx
+
+    service, url = server
+    assert httpx.get(url + "/health", timeout=30).json()["status"] == "ready"
+    before = service.metrics.tokens
+    client.chat.completions.create(model="specsuite-gec", messages=[{"role": "user", "content": "He go home."}])
+    streamed(client, model="specsuite-gec", messages=[{"role": "user", "content": "They was here."}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="specsuite-gec", messages=[{"role": "user", "content": " "}])
+    text = httpx.get(url + "/metrics", timeout=30).text
+    counts = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert counts['specsuite_requests_total{model="specsuite-gec",status="200"}'] >= 2
+    assert counts['specsuite_requests_total{model="specsuite-gec",status="400"}'] >= 1
+    assert service.metrics.tokens > before and counts["specsuite_forward_passes_total"] > 0
+    assert counts['specsuite_request_seconds_bucket{le="+Inf"}'] == counts["specsuite_request_seconds_count"] >= 3
+    assert counts["specsuite_request_capacity"] == service.max_requests
+
+
+def test_the_loading_server_says_so():
+    import httpx
+
+    from specsuite.apps.server import loading_app
+
+    url, stop = serve(loading_app("m"))
+    try:
+        response = httpx.get(url + "/health", timeout=30)
+        assert response.status_code == 503 and response.json()["status"] == "loading"
+    finally:
+        stop()
+
+
 def test_models_and_the_mounted_uis(server, client):
     import httpx
 
@@ -239,6 +271,8 @@ def test_an_api_key_guards_every_route_and_the_uis(smollm2_fp32):
         basic = "Basic " + base64.b64encode(b"anyone:s3cret").decode()
         assert httpx.get(url + "/gec/", timeout=60, headers={"Authorization": basic}).status_code == 200
         assert httpx.get(url + "/v1/models", timeout=30).json()["error"]["type"] == "authentication_error"
+        assert httpx.get(url + "/metrics", timeout=30).status_code == 401
+        assert httpx.get(url + "/health", timeout=30).json()["status"] == "ready"  # open, for supervisors
     finally:
         stop()
 
