@@ -66,25 +66,26 @@ def _index(args: argparse.Namespace) -> int:
         from .index import IndexSettings, PassageIndex, index_exists
 
         docs = load_documents(args.paths, text_field=args.field)
-        adding = args.add and index_exists(args.out)
-        if adding:
-            index = PassageIndex.load(args.out, embedding_model=args.embedding_model)
-            if conflicts := _conflicts(args, index):
-                return _fail(ValueError(f"{args.out} was built with other settings: {'; '.join(conflicts)}. "
-                                        "Drop those options, or rebuild without --add"))
-        else:
-            chunking = ChunkSettings(args.chunk_tokens or DEFAULT_CHUNK_TOKENS,
-                                     DEFAULT_OVERLAP if args.overlap is None else args.overlap)
-            index = PassageIndex(Embedder(args.embedding_model or DEFAULT_EMBEDDING_MODEL), chunking,
-                                 IndexSettings(index_type=args.index_type or "flat"))
-        stats = index.add_documents(docs, progress=True)
-        skipped = f", skipped {_count(stats.skipped, 'document')} already indexed" if stats.skipped else ""
-        if stats.passages == 0:
+        with PassageIndex.writing(args.out):
+            adding = args.add and index_exists(args.out)
             if adding:
-                print(f"no new text to add{skipped}; {args.out} unchanged")
-                return 0
-            return _fail(ValueError(f"no text to index in {' '.join(args.paths)}"))
-        index.save(args.out)
+                index = PassageIndex.load(args.out, embedding_model=args.embedding_model)
+                if conflicts := _conflicts(args, index):
+                    return _fail(ValueError(f"{args.out} was built with other settings: {'; '.join(conflicts)}. "
+                                            "Drop those options, or rebuild without --add"))
+            else:
+                chunking = ChunkSettings(args.chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                                         DEFAULT_OVERLAP if args.overlap is None else args.overlap)
+                index = PassageIndex(Embedder(args.embedding_model or DEFAULT_EMBEDDING_MODEL), chunking,
+                                     IndexSettings(index_type=args.index_type or "flat"))
+            stats = index.add_documents(docs, progress=True)
+            skipped = f", skipped {_count(stats.skipped, 'document')} already indexed" if stats.skipped else ""
+            if stats.passages == 0:
+                if adding:
+                    print(f"no new text to add{skipped}; {args.out} unchanged")
+                    return 0
+                return _fail(ValueError(f"no text to index in {' '.join(args.paths)}"))
+            index.save(args.out)
     except _errors() as e:
         return _fail(e)
     verb = "added" if adding else "indexed"

@@ -8,6 +8,7 @@ swaps it in with renames, so a crash at any point leaves a loadable index behind
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -204,6 +205,26 @@ class PassageIndex:
             "created": self.created or now,
             "updated": now,
         }
+
+    @staticmethod
+    @contextlib.contextmanager
+    def writing(directory: str | os.PathLike):
+        """Hold the index at `directory` for one writer (load, add, save) at a time: two `rag index
+        --add` at once would each save what they loaded plus their own documents, and the one that
+        saves last would drop the other's. A lock file beside the folder (the folder is swapped)."""
+        final = Path(directory).expanduser().absolute()
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with open(final.parent / f".{final.name}.lock", "a") as lock:
+            try:
+                import fcntl
+            except ImportError:  # not POSIX: no lock
+                yield
+                return
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write the index to `directory`, replacing any index there in one atomic swap."""

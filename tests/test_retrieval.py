@@ -270,6 +270,23 @@ def test_cli_index_add_and_search(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "not a passage index" in capsys.readouterr().err
 
 
+def test_two_adds_at_once_keep_both_writers_documents(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    corpus = tmp_path / "corpus"
+    shutil.copytree(DEMO_CORPUS, corpus)
+    late = sorted(corpus.glob("*.md"))[-2:]
+    for doc in late:
+        doc.rename(tmp_path / doc.name)
+    out = tmp_path / "idx"
+    assert run_cli("index", str(corpus), "--out", str(out)) == 0
+    with ThreadPoolExecutor(2) as pool:  # each loads, adds and saves; unlocked, the last save drops the other's
+        codes = list(pool.map(lambda doc: run_cli("index", str(tmp_path / doc.name), "--out", str(out), "--add"), late))
+    assert codes == [0, 0]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["documents"] == len(list(DEMO_CORPUS.iterdir()))
+
+
 def test_eval_retrieval_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     items = [{"question_id": i, "turns": [f"{DOCS[i].text}\nAn unrelated line number {i}.\n{q}"]}
              for i, q in enumerate(["Which volcano is active in Sicily?", "How many pieces in chess?",

@@ -275,7 +275,10 @@ def train(config: TrainConfig, examples: Sequence, log: Callable[[str], None] = 
     run_start, run_start_elapsed = time.monotonic(), state["elapsed_s"]
     while state["step"] < total_steps and state["elapsed_s"] < budget_s:
         step = state["step"]
-        batch = [train_set[i] for i in epoch_batches[step % len(epoch_batches)]]
+        epoch, at = divmod(step, len(epoch_batches))
+        if epoch:  # each later pass in another order (a function of the step alone: resumable)
+            epoch_batches = batches(train_set, config.batch_size, config.seed + epoch)
+        batch = [train_set[i] for i in epoch_batches[at]]
         progress = max(step / total_steps, state["elapsed_s"] / budget_s)
         for group in optimizer.param_groups:
             group["lr"] = config.lr * _lr_scale(step, progress, config.warmup_steps)
