@@ -46,7 +46,10 @@ def _serve(args: argparse.Namespace) -> int:
         loading.should_exit = True
         thread.join()
     print(f"serving {', '.join(service.models)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # SIGTERM or Ctrl-C: uvicorn stops taking connections and lets the requests in flight finish,
+    # for at most --drain-timeout seconds, then exits.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_timeout)
     return 0
 
 
@@ -72,6 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"requests waiting beyond the batch before 429 (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--time-budget", type=limits.time_budget_arg, default=limits.DEFAULT_TIME_BUDGET_S, metavar="S",
                    help="seconds a request may take, waiting included (default 180; 0: no limit): 408 past it")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds the requests in flight may take to finish before exit (default 30)")
     p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio apps at /gec and /rag")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)

@@ -382,3 +382,46 @@ def test_a_full_server_answers_429(smollm2_fp32):
         assert "".join(c.choices[0].delta.content or "" for c in first if c.choices)  # the first one goes on
     finally:
         stop()
+
+
+def test_sigterm_lets_the_requests_in_flight_finish_then_exits(smollm2_fp32, tmp_path):
+    """`specsuite serve` as its own process: a stream in flight when SIGTERM comes ends with its
+    whole reply; new connections are refused; the process exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "specsuite.cli", "serve", "--model", "smollm2-135m", "--dtype", "fp32",
+                             "--adapter", "none", "--no-ui", "--port", str(port), "--drain-timeout", "60"],
+                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        stream = client.chat.completions.create(model="specsuite-gec", stream=True,
+                                                messages=[{"role": "user", "content": "\n".join(SENTENCES)}])
+        first = next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        text = (first.choices[0].delta.content or "") + "".join(c.choices[0].delta.content or "" for c in stream
+                                                               if c.choices)
+        assert len(text.splitlines()) == len(SENTENCES)  # the whole reply, after SIGTERM
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url + "/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
