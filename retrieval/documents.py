@@ -81,8 +81,9 @@ def _read_text_file(path: Path) -> Document:
     return Document(id=source, text=text, title=_title_of_text(text, path), source=source)
 
 
-def _read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
-    source = str(path.resolve())
+def jsonl_records(path: Path, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of a JSONL file; a line that is not a JSON
+    object is an `error` naming the file and line."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -90,19 +91,27 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DocumentError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                raise DocumentError(f"{path}:{lineno}: no string field {text_field!r} (set the text field name)")
-            # Every other field is kept as metadata, so callers can filter or display it later.
-            extra = {k: v for k, v in obj.items() if k not in (text_field, "id", "title", "url")}
-            yield Document(
-                id=str(obj["id"]) if obj.get("id") is not None else f"{source}:{lineno}",
-                text=obj[text_field],
-                title=None if obj.get("title") is None else str(obj["title"]),
-                url=None if obj.get("url") is None else str(obj["url"]),
-                source=source,
-                metadata=extra,
-            )
+                raise error(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise error(f"{path}:{lineno}: not a JSON object")
+            yield lineno, obj
+
+
+def _read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
+    source = str(path.resolve())
+    for lineno, obj in jsonl_records(path, DocumentError):
+        if not isinstance(obj.get(text_field), str):
+            raise DocumentError(f"{path}:{lineno}: no string field {text_field!r} (set the text field name)")
+        # Every other field is kept as metadata, so callers can filter or display it later.
+        extra = {k: v for k, v in obj.items() if k not in (text_field, "id", "title", "url")}
+        yield Document(
+            id=str(obj["id"]) if obj.get("id") is not None else f"{source}:{lineno}",
+            text=obj[text_field],
+            title=None if obj.get("title") is None else str(obj["title"]),
+            url=None if obj.get("url") is None else str(obj["url"]),
+            source=source,
+            metadata=extra,
+        )
 
 
 def load_documents(paths: Iterable[str | os.PathLike], text_field: str = "text") -> list[Document]:

@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 from specsuite.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, SHIPPED, AdapterError, base_fingerprint,
                                 merge_adapter, resolve_adapter)
 from specsuite.core import PromptLookupDrafter, generate
-from specsuite.models import load_model
 from specsuite.training.data import DataError, GecPair, detokenize, mix_gec, read_gec, read_m2, read_qed
 
 M2 = """S She go to school yesterday .
@@ -64,7 +63,7 @@ def test_jsonl_and_parallel_inputs(tmp_path):
     with pytest.raises(DataError, match="bad.jsonl:2: needs a non-empty string 'target'"):
         read_gec([bad])
     bad.write_text('{"source": "a", "target": "b"}\n{"source": "a", \n')
-    with pytest.raises(DataError, match="bad.jsonl:2: not a JSON object"):
+    with pytest.raises(DataError, match="bad.jsonl:2: not valid JSON"):
         read_gec([bad])
     src, tgt = tmp_path / "s.txt", tmp_path / "t.txt"
     src.write_text("He go .\nOK .\n")
@@ -208,7 +207,7 @@ def _train_cmd(data: Path, out: Path, *extra: str) -> list[str]:
 def test_train_reports_a_malformed_line_with_its_number(tmp_path):
     proc = subprocess.run(_train_cmd(_pairs_file(tmp_path, 20, bad_line=7), tmp_path / "out"), capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 2 and "pairs.jsonl:7: not a JSON object" in proc.stderr
+    assert proc.returncode == 2 and "pairs.jsonl:7: not valid JSON" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 

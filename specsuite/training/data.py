@@ -9,12 +9,13 @@ never skipped in silence.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
+
+from specsuite.retrieval.documents import jsonl_records
 
 
 class DataError(ValueError):
@@ -43,16 +44,10 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def _json_records(path: Path) -> Iterator[tuple[int, dict]]:
-    for n, line in _lines(path):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: not a JSON object ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{path}:{n}: not a JSON object")
-        yield n, record
+    try:
+        yield from jsonl_records(path, DataError)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 ({e})") from None
 
 
 def _text(record: dict, key: str, where: str) -> str:
