@@ -36,8 +36,8 @@ class TrainConfig:
     task: str  # "gec" or "rag": which app's prompt the examples are put in
     model: str  # the base: a preset or a local model directory
     out: str  # the adapter's folder (the checkpoint lives there until the run ends)
-    rank: int = 16
-    alpha: float = 32.0
+    rank: int = 8
+    alpha: float = 16.0
     lr: float = 2e-4
     warmup_steps: int = 10
     batch_size: int = 8
