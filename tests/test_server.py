@@ -386,7 +386,7 @@ def test_a_full_server_answers_429(smollm2_fp32):
 
 def test_sigterm_lets_the_requests_in_flight_finish_then_exits(smollm2_fp32, tmp_path):
     """`specsuite serve` as its own process: a stream in flight when SIGTERM comes ends with its
-    whole reply; new connections are refused; the process exits 0."""
+    whole reply, then the process exits and the port is closed."""
     import os
     import signal
     import subprocess
@@ -418,7 +418,8 @@ def test_sigterm_lets_the_requests_in_flight_finish_then_exits(smollm2_fp32, tmp
         rest = [c for c in stream if c.choices]
         text = (first.choices[0].delta.content or "") + "".join(c.choices[0].delta.content or "" for c in rest)
         assert text and rest[-1].choices[0].finish_reason in ("stop", "length")  # the whole reply, after SIGTERM
-        assert proc.wait(timeout=60) == 0
+        # uvicorn re-raises the signal once it has drained: the exit status is SIGTERM's
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         with pytest.raises(httpx.HTTPError):
             httpx.get(url + "/health", timeout=5)
     finally:
