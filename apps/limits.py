@@ -107,7 +107,7 @@ def step_cost(model) -> Callable[[int], float] | None:
 
     if not engine_supports(model):
         return None
-    return BatchEngine(model, 1).budget.cost  # the measurement (or its cached copy); no KV is made
+    return BatchEngine(model, 1).budget.cost  # the measurement (or its checked kept copy)
 
 
 def estimate_s(model, prompt_tokens: int, answer_tokens: int = 1) -> float | None:

@@ -37,14 +37,13 @@ one costs over EXACT_OVERHEAD more than `plain`.
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
-from .calibration import measure_forward_costs
+from .calibration import calibrated, forward_times
 from .draft import Draft
 from .draft_budget import StepCost, cost_file
 from . import forward as llama
@@ -272,41 +271,15 @@ def _bf16_backend(model, kind: str) -> Backend:
 
 
 def _measured(model, measure: str, backends: list[Backend], rows: list[int]) -> dict[str, dict[int, float]]:
-    """`measure_forward_costs` of `backends` (reps 2): {name: {rows: s}}, each backend's kept on
-    disk as a `StepCost` per machine and model (`cost_file` of `measure`) and read from there on
-    later calls; measured again (all of them, alternating) where one lacks a row count."""
+    """`forward_times` of `backends` (reps 2, alternating): {name: {rows: s}}, each backend's kept
+    on disk as a `StepCost` per machine and model (`cost_file` of `measure`), checked and re-timed
+    as `calibration.calibrated` says."""
     paths = {b.name: cost_file(model, measure=f"{measure}:{b.name}") for b in backends}
-    kept = {name: StepCost.load(path, rows) for name, path in paths.items()}
-    if all(cost is not None for cost in kept.values()):
-        return {name: dict(zip(cost.rows, cost.secs)) for name, cost in kept.items()}
-    where = next(iter(paths.values()))
-    print(f"specsuite: timing {', '.join(paths)} forwards of this model once on this machine"
-          + (f" (kept in {where.parent})" if where is not None else ""), file=sys.stderr)
-    owned = [b.owned() for b in backends]  # their packed copies go with them
-    for _ in range(MEASURE_TRIES):
-        costs = measure_forward_costs(model, owned, rows, reps=2)
-        if not _disturbed(costs):
-            break
-        print("specsuite: the machine was busy while timing (more rows cost less); timing again", file=sys.stderr)
-    for name, per_rows in costs.items():
-        StepCost(per_rows).save(paths[name])
-    return costs
+    owned = {b.name: b.owned() for b in backends}  # their packed copies go with them
 
-
-# A measurement in which a forward of more rows cost under DISTURBED of one of fewer rows in the
-# same form was disturbed (another process, the host), and is taken again, at most MEASURE_TRIES
-# times in all: kept on disk, one such measurement decided the backend of Qwen2.5-1.5B on the AMX
-# CPU for good (`plain`, from forwards of 0.55-1.14 s where undisturbed ones take ~0.25 s).
-DISTURBED = 0.8
-MEASURE_TRIES = 3
-
-
-def _disturbed(costs: dict[str, dict[int, float]]) -> bool:
-    for per_rows in costs.values():
-        secs = [per_rows[k] for k in sorted(per_rows)]
-        if any(later < DISTURBED * earlier for i, earlier in enumerate(secs) for later in secs[i + 1:]):
-            return True
-    return False
+    costs = calibrated(paths, rows, lambda rows, reps: forward_times(model, list(owned.values()), rows, reps=reps),
+                       reps=2)
+    return {name: dict(zip(cost.rows, cost.secs)) for name, cost in costs.items()}
 
 
 def _fp32_form_costs(model) -> dict[str, dict[int, float]]:

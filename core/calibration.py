@@ -12,6 +12,7 @@ model, dtype and thread count (`draft_budget.cost_file`):
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -20,14 +21,14 @@ import torch
 from transformers import DynamicCache
 
 from .draft import Draft
-from .draft_budget import StepCost, cost_file
+from .draft_budget import StepCost, cost_file, curve_problem
 from .forward import Rows
 
 
-def median_seconds(prepare: Callable[[str, int], Callable[[], object]], names: list[str], rows: list[int],
-                   reps: int) -> dict[str, dict[int, float]]:
-    """Median seconds of `reps` rounds (after one that warms up) over every row count, each of
-    `names` in turn (alternating, so a slower minute of a loaded machine hits all alike).
+def timed_seconds(prepare: Callable[[str, int], Callable[[], object]], names: list[str], rows: list[int],
+                  reps: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, dict[int, list[float]]]:
+    """Seconds of `reps` rounds (after one that warms up) over every row count, each of `names` in
+    turn (alternating, so a slower minute of a loaded machine hits all alike): {name: {rows: [s]}}.
     `prepare(name, rows)` sets up one forward and returns it; only that call is timed."""
     times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in rows} for name in names}
     with torch.inference_mode():
@@ -35,17 +36,105 @@ def median_seconds(prepare: Callable[[str, int], Callable[[], object]], names: l
             for k in rows:
                 for name in names:
                     run = prepare(name, k)
-                    start = time.perf_counter()
+                    start = clock()
                     run()
                     if rep:
-                        times[name][k].append(time.perf_counter() - start)
+                        times[name][k].append(clock() - start)
+    return times
+
+
+def medians(times: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, float]]:
     return {name: {k: statistics.median(v) for k, v in per_rows.items()} for name, per_rows in times.items()}
+
+
+def median_seconds(prepare: Callable[[str, int], Callable[[], object]], names: list[str], rows: list[int],
+                   reps: int) -> dict[str, dict[int, float]]:
+    """The median of each of `timed_seconds`' lists."""
+    return medians(timed_seconds(prepare, names, rows, reps))
+
+
+# Repeat timings of one forward that differ by more than SPREAD (max / min), or a kept curve that a
+# fresh check finds off by more than DRIFT, say the machine was busy (or has changed): such a
+# curve is timed again, at most TRIES times, and kept on disk only once it is consistent.
+SPREAD = 1.5
+DRIFT = 1.3
+TRIES = 3
+# The kept curves checked (or timed) in this process: once each, so engines made later (another
+# thread's, whose forwards may time differently) read them as they are rather than re-time them.
+_CHECKED: set[Path | None] = set()
+
+
+def timing_problem(times: dict[str, dict[int, list[float]]]) -> str | None:
+    """Why a measurement ({name: {rows: [s]}}) cannot be kept (None: it can): repeats that
+    disagree, or a curve that cannot be right (`curve_problem`)."""
+    for name, per_rows in times.items():
+        for k, secs in per_rows.items():
+            if len(secs) > 1 and max(secs) > SPREAD * min(secs):
+                return f"{name}: repeat timings of {k} rows from {min(secs) * 1e3:.1f} to {max(secs) * 1e3:.1f} ms"
+        if (why := curve_problem({k: statistics.median(v) for k, v in per_rows.items()})) is not None:
+            return f"{name}: {why}"
+    return None
+
+
+def calibrated(paths: dict[str, Path | None], rows: list[int],
+               measure: Callable[[list[int], int], dict[str, dict[int, list[float]]]], reps: int,
+               check: bool = False,
+               log: Callable[[str], None] = lambda line: print(f"specsuite: {line}", file=sys.stderr)) -> dict[str, StepCost]:
+    """The cost curve of each name of `paths` over `rows`: the one kept on disk at its path (with
+    `check`: if a quick timing of two row counts, two rounds, once per process, finds it within
+    DRIFT of now); else
+    timed by `measure(rows, reps)` -> {name: {rows: [s]}} until consistent (`timing_problem`, at
+    most TRIES times) and kept. A machine busy for every try: the kept curve if there is one (a
+    quiet moment's), else the last timing made monotone, and nothing is kept."""
+    kept = {name: StepCost.load(path, rows) for name, path in paths.items()}
+    if all(cost is not None for cost in kept.values()):
+        if not check or all(path in _CHECKED for path in paths.values()):
+            return kept
+        _CHECKED.update(paths.values())
+        probe = sorted({rows[0], rows[len(rows) // 2]})
+        now = medians(measure(probe, 2))
+        drift = max(max(now[name][k], kept[name](k)) / min(now[name][k], kept[name](k))
+                    for name in now for k in probe)
+        if drift <= DRIFT:
+            return kept
+        log(f"the kept step costs are off by {drift:.2f}x now; timing again")
+    where = next(iter(paths.values()))
+    log(f"timing {', '.join(paths)} forwards of this model on this machine"
+        + (f" (kept in {where.parent})" if where is not None else ""))
+    times = None
+    for attempt in range(TRIES):
+        times = measure(rows, reps)
+        if (why := timing_problem(times)) is None:
+            costs = {name: StepCost(per_rows) for name, per_rows in medians(times).items()}
+            for name, cost in costs.items():
+                cost.save(paths[name])
+            _CHECKED.update(paths.values())
+            return costs
+        log(f"the machine was busy while timing ({why}); " + ("timing again" if attempt + 1 < TRIES else
+            "the timing is used but not kept"))
+    if all(cost is not None for cost in kept.values()):
+        return kept
+    return {name: StepCost(_monotone(per_rows)) for name, per_rows in medians(times).items()}
+
+
+def _monotone(points: dict[int, float]) -> dict[int, float]:
+    """`points` with each cost raised to the highest of fewer rows'."""
+    out, high = {}, 0.0
+    for k in sorted(points):
+        out[k] = high = max(high, points[k])
+    return out
 
 
 def measure_forward_costs(model, backends: list, rows: list[int], context: int = 80, reps: int = 5,
                           seed: int = 0) -> dict[str, dict[int, float]]:
-    """Median seconds of a verify forward of each row count (a root token and a chain draft) after
-    `context` cached tokens, per backend (a `core.backend.Backend`), alternating: {name: {rows: s}}."""
+    """Median seconds of `forward_times`: {name: {rows: s}}."""
+    return medians(forward_times(model, backends, rows, context, reps, seed))
+
+
+def forward_times(model, backends: list, rows: list[int], context: int = 80, reps: int = 5,
+                  seed: int = 0) -> dict[str, dict[int, list[float]]]:
+    """Seconds of a verify forward of each row count (a root token and a chain draft) after
+    `context` cached tokens, per backend (a `core.backend.Backend`), alternating: {name: {rows: [s]}}."""
     gen = torch.Generator().manual_seed(seed)
     vocab = min(model.config.vocab_size, 32000)
     prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
@@ -62,7 +151,7 @@ def measure_forward_costs(model, backends: list, rows: list[int], context: int =
         draft = Draft.chain(tokens[1:]) if k > 1 else None
         return lambda: backend.forward(model, tokens[:1], cache, context, draft, greedy_margin=backend.tie_margin)
 
-    return median_seconds(prepare, list(by_name), rows, reps)
+    return timed_seconds(prepare, list(by_name), rows, reps)
 
 
 def slot_step_cost(store, batch_size: int, rows: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -70,12 +159,10 @@ def slot_step_cost(store, batch_size: int, rows: Iterable[int] = (1, 2, 4, 8, 16
     """Seconds of a batched step of each row count as a batch runs them (up to 32 slots of `store`,
     a `kv.SlotStore`, each a root token and a chain draft, every row's logits, after 64 cached
     tokens; median of `reps`), or an earlier measurement of the same machine, model, dtype and
-    backend read from disk."""
+    backend read from disk and checked against a quick timing now (`calibrated`)."""
     rows = sorted(set(rows))
     # "v2" since batches in bf16 run on packed weights (`Backend.engine_linear`): cheaper steps
     path = cost_file(store.model, cache_dir, measure=f"engine v2:{store.backend.name}")
-    if (kept := StepCost.load(path, rows)) is not None:
-        return kept
     vocab = min(store.model.config.vocab_size, 32000)
     gen = torch.Generator().manual_seed(0)
     context, most = 64, 32
@@ -91,6 +178,5 @@ def slot_step_cost(store, batch_size: int, rows: Iterable[int] = (1, 2, 4, 8, 16
             drafts.append(Draft.chain(ids[context + 1:]) if per > 1 else None)
         return lambda: store.forward(slots, drafts, list(range(count)))
 
-    cost = StepCost(median_seconds(prepare, ["engine"], rows, reps)["engine"])
-    cost.save(path)
-    return cost
+    return calibrated({"engine": path}, rows, lambda rows, reps: timed_seconds(prepare, ["engine"], rows, reps),
+                      reps, check=True)["engine"]

@@ -33,41 +33,82 @@ class StepCost:
         for i in range(1, len(r)):
             if rows <= r[i]:
                 return s[i - 1] + (s[i] - s[i - 1]) * (rows - r[i - 1]) / (r[i] - r[i - 1])
-        return s[-1] + (s[-1] - s[-2]) * (rows - r[-1]) / (r[-1] - r[-2])
+        return s[-1] + max(0.0, s[-1] - s[-2]) * (rows - r[-1]) / (r[-1] - r[-2])  # never less than the last
 
     @classmethod
     def load(cls, path: Path | None, rows: list[int]) -> "StepCost | None":
-        """The cost kept at `path` if it has every row count of `rows`, else None."""
+        """The cost kept at `path` if it has every row count of `rows` and is a plausible curve
+        (`curve_problem`), else None."""
         if path is None or not path.exists():
             return None
         try:
             saved = {int(k): float(v) for k, v in json.loads(path.read_text())["seconds"].items()}
         except (ValueError, KeyError, TypeError, OSError):
             return None  # unreadable: measure again
-        return cls({r: saved[r] for r in rows}) if set(rows) <= set(saved) else None
+        if not set(rows) <= set(saved) or curve_problem(kept := {r: saved[r] for r in rows}) is not None:
+            return None
+        return cls(kept)
 
     def save(self, path: Path | None) -> None:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"seconds": dict(zip(map(str, self.rows), self.secs))}))
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes timing at once: whole files only
+            tmp.write_text(json.dumps({"seconds": dict(zip(map(str, self.rows), self.secs))}))
+            tmp.replace(path)
+
+
+# A forward of more rows may cost a little less than one of fewer (kernel forms differ by shape),
+# never under CHEAPER_MORE of it; and one of r2 > r1 rows at most JUMP times r2/r1 one of r1 rows
+# (one call of k rows is never dearer than k calls of one row). A curve that breaks either was
+# timed while something else ran, e.g. 0.62 s for 1 row and 2.23 s for 4 rows where 0.07 and 0.08 are usual.
+CHEAPER_MORE = 0.8
+JUMP = 1.5
+
+
+def curve_problem(points: dict[int, float]) -> str | None:
+    """Why a measured cost curve {rows: seconds} cannot be right (None: it can)."""
+    rows = sorted(points)
+    if any(points[r] <= 0 for r in rows):
+        return "a forward timed at 0 s"
+    for i, r1 in enumerate(rows):
+        for r2 in rows[i + 1:]:
+            if points[r2] < CHEAPER_MORE * points[r1]:
+                return f"{r2} rows timed at {points[r2] * 1e3:.1f} ms, under {r1} rows' {points[r1] * 1e3:.1f} ms"
+            if points[r2] > JUMP * points[r1] * r2 / r1:
+                return f"{r2} rows timed at {points[r2] * 1e3:.1f} ms, over {r2 / r1:g}x {r1} rows' {points[r1] * 1e3:.1f} ms"
+    return None
+
+
+def costs_dir() -> Path:
+    """Where measured costs are kept: under specsuite's cache (as `specsuite.models.cache_dir`),
+    $SPECSUITE_CACHE, else XDG's."""
+    root = os.environ.get("SPECSUITE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specsuite"
+    return Path(root).expanduser() / "step_cost"
+
+
+def forget_costs() -> int:
+    """Remove every kept cost (of any model): the next use times them again. Returns how many."""
+    kept = list(costs_dir().glob("*.json"))
+    for path in kept:
+        path.unlink(missing_ok=True)
+    return len(kept)
 
 
 def cost_file(model, cache_dir: str | Path | None = None, measure: str = "engine") -> Path | None:
-    """Where a measured cost (`measure`: what was timed) of this model, dtype, machine and thread
-    count is kept (None: nowhere, with SPECSUITE_NO_COST_CACHE set)."""
+    """Where a measured cost (`measure`: what was timed, with its backend) of this model, dtype,
+    CPU model, core count, thread count and torch version is kept (None: nowhere, with
+    SPECSUITE_NO_COST_CACHE set)."""
     if cache_dir is None:
         if os.environ.get("SPECSUITE_NO_COST_CACHE"):
             return None
-        # specsuite's cache (as `specsuite.models.cache_dir`): $SPECSUITE_CACHE, else under XDG's
-        root = os.environ.get("SPECSUITE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specsuite"
-        cache_dir = Path(root).expanduser() / "step_cost"
+        cache_dir = costs_dir()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         cpu = ""
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
-    key = f"v2|{measure}|{name}|{model.dtype}|{model.device}|{cpu}|{torch.get_num_threads()}|{torch.__version__}"
+    key = f"v3|{measure}|{name}|{model.dtype}|{model.device}|{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"
     return Path(cache_dir) / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 

@@ -17,6 +17,7 @@ import torch
 
 from specsuite.core.backend import EXACT_BF16, FP32_CPU, choose_backend, plain_backend, plain_forms
 from specsuite.core.calibration import measure_forward_costs
+from specsuite.core.draft_budget import costs_dir, forget_costs
 from specsuite.core.int8_linear import int8_runs
 from specsuite.core import forward as llama
 from specsuite.models import DEFAULT_MODEL, load_model
@@ -50,6 +51,8 @@ def _cmd(args: argparse.Namespace) -> int:
     rows = sorted({int(r) for r in args.rows.split(",")})
     if not rows or rows[0] < 1:
         raise SystemExit("error: --rows takes row counts >= 1, e.g. 1,2,4,8")
+    if args.recalibrate:
+        print(f"removed {forget_costs()} kept step-cost curves from {costs_dir()}: each is timed again at its next use")
     model, _ = load_model(args.model, dtype=args.dtype)
     costs = measure_step_costs(model, rows, args.context, args.reps)
     print(f"verify forward cost · {args.model} ({str(model.dtype).replace('torch.', '')}) · "
@@ -66,4 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", default="1,2,3,4,5,8,9,16,17,32,33", help="comma-separated row counts")
     p.add_argument("--context", type=int, default=80, help="cached tokens before the verified rows")
     p.add_argument("--reps", type=int, default=5, help="rounds over all row counts (median)")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="forget every kept step-cost curve (the backend choice's and the batched engine's draft "
+                        "budget's) first, so they are timed again on this machine as it is now")
     p.set_defaults(func=_cmd)

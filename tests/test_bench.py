@@ -21,7 +21,7 @@ def jfleg(shared_data):
 def test_gec_bench_compares_the_copy_drafter_with_hf_greedy(smollm2_fp32, jfleg, monkeypatch, prefix_cache):
     """Every method's output is compared with HF greedy token for token; in fp32 our methods reuse
     the shared instruction's KV as the app does, unless turned off."""
-    monkeypatch.setattr(bench, "load_model", lambda name, dtype=None: smollm2_fp32)
+    monkeypatch.setattr(bench, "load_model", lambda name, dtype=None, adapter=None, task=None: smollm2_fp32)
     report = bench.run_bench("gec", "smollm2-135m", jfleg, n=3, max_new_tokens=12, methods=["spec_copy"],
                              prefix_cache=prefix_cache)
     assert report["n"] == 3 and report["spec_prefix_cache"] is prefix_cache
@@ -41,7 +41,7 @@ def test_jobs_bench_alternates_rounds_and_compares_with_the_best_hf_batch(smollm
     its time is the mean of its rounds, and the speedups are against the best HF batch size."""
     from specsuite import bench_batch
 
-    monkeypatch.setattr(bench_batch, "load_model", lambda name, dtype=None: smollm2_fp32)
+    monkeypatch.setattr(bench_batch, "load_model", lambda name, dtype=None, adapter=None, task=None: smollm2_fp32)
     refs = [jfleg.with_name("dev.ref0")] if jfleg.with_name("dev.ref0").exists() else []
     report = bench_batch.run_gec_batch("smollm2-135m", jfleg, n=5, batch_sizes=[2], max_new_tokens=12,
                                        refs=refs, methods=["hf_greedy_bs2", "spec_batch", "gec_job"], rounds=2)
@@ -68,7 +68,7 @@ def test_rag_serve_bench_alternates_rounds_of_both_apps(smollm2_fp32, shared_dat
     data = shared_data / "specbench/rag_dev.jsonl"
     if not data.exists():
         pytest.skip(f"no Spec-Bench RAG data at {data}")
-    monkeypatch.setattr(bench_serve, "load_model", lambda name, dtype=None: smollm2_fp32)
+    monkeypatch.setattr(bench_serve, "load_model", lambda name, dtype=None, adapter=None, task=None: smollm2_fp32)
     report = bench_serve.run_rag_serve("smollm2-135m", data, n=2, max_new_tokens=8, rounds=2)
     assert report["rounds"] == 2 and set(report["apps"]) == {"one_at_a_time", "batched"}
     for f in report["apps"].values():
@@ -99,7 +99,7 @@ def test_peers_bench_runs_our_engine_and_names_the_peers_it_lacks(smollm2_fp32, 
     missing peers are named with the command that sets them up."""
     from specsuite import bench_peers, models
 
-    monkeypatch.setattr(models, "load_model", lambda name, dtype=None: smollm2_fp32)
+    monkeypatch.setattr(models, "load_model", lambda name, dtype=None, adapter=None, task=None: smollm2_fp32)
     monkeypatch.setattr(bench_peers, "ANCHORS_CACHE", tmp_path / "no-anchors")
     report = bench_peers.run_peers("smollm2-135m", jfleg, n=4, max_new_tokens=12, parallel=[1, 2],
                                    anchors=tmp_path / "anchors", rounds=2)
@@ -120,7 +120,7 @@ def test_peers_bench_runs_our_engine_on_the_backend_asked(smollm2_fp32, jfleg, m
     """--backend int8: our runs in int8, the reference (every row's comparison) int8 greedy."""
     from specsuite import bench_peers, models
 
-    monkeypatch.setattr(models, "load_model", lambda name, dtype=None: smollm2_fp32)
+    monkeypatch.setattr(models, "load_model", lambda name, dtype=None, adapter=None, task=None: smollm2_fp32)
     monkeypatch.setattr(bench_peers, "ANCHORS_CACHE", tmp_path / "no-anchors")
     report = bench_peers.run_peers("smollm2-135m", jfleg, n=3, max_new_tokens=8, parallel=[1, 2],
                                    anchors=tmp_path / "anchors", backend="int8")

@@ -13,7 +13,7 @@ import torch
 
 from specsuite.core import PromptLookupDrafter, generate
 from specsuite.core.backend import (
-    AFFORDABILITY_ROWS, EXACT_BF16, EXACT_VS_PLAIN, FP32_CPU, PLAIN, _disturbed, choose_backend, exact_is_affordable,
+    AFFORDABILITY_ROWS, EXACT_BF16, EXACT_VS_PLAIN, FP32_CPU, PLAIN, choose_backend, exact_is_affordable,
     fp32_forms,
 )
 from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, packed_bf16_runs, packed_rows
@@ -60,14 +60,6 @@ def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monk
         assert chosen.engine_linear is (packed_rows if packed_bf16_runs() else None)  # batches: packed, any kind
 
 
-def test_a_timing_where_more_rows_cost_less_is_taken_again():
-    """A forward of more rows costing under 0.8 of one of fewer rows in the same form means the
-    machine was busy while timing: such a measurement is not kept (`_measured` times again)."""
-    assert not _disturbed({"exact-bf16": {1: 0.21, 9: 0.23, 17: 0.30}, "plain": {1: 0.26, 9: 0.25, 17: 0.27}})
-    assert _disturbed({"exact-bf16": {1: 0.21, 9: 0.23, 17: 0.30}, "plain-packed": {1: 0.92, 9: 0.55, 17: 0.92}})
-    assert _disturbed({"plain": {1: 1.0, 2: 1.1, 4: 0.7}})  # against any earlier count, not only the last
-
-
 def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, monkeypatch):
     """The fp32 forms are timed once (every form, alternating) and kept on disk; each row count
     then takes the form that was fastest for its bucket, and every form gives greedy's output."""
@@ -81,7 +73,8 @@ def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, mon
 
     def write_fastest() -> None:
         for form, path in paths.items():
-            StepCost({r: 0.5 if fastest[r] == form else 1.0 for r in FP32_ROW_BUCKETS}).save(path)
+            # 15% less: a plausible curve (`curve_problem`), which a kept one must be
+            StepCost({r: 0.85 if fastest[r] == form else 1.0 for r in FP32_ROW_BUCKETS}).save(path)
 
     write_fastest()
     assert fp32_forms(model) == tuple(fastest[r] for r in FP32_ROW_BUCKETS)

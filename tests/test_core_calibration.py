@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from conftest import model_for
+from specsuite.core import calibration
+from specsuite.core.calibration import calibrated, timed_seconds, timing_problem
+from specsuite.core.draft_budget import StepCost
 from specsuite.core.int8_linear import int8_runs
 
 
@@ -18,3 +25,95 @@ def test_step_cost_times_every_row_count_in_each_backend():
     assert all(set(c) == {1, 3, 6} and min(c.values()) > 0 for c in costs.values())
     assert vars(model).keys() == before.keys() and all(vars(model)[k] is v for k, v in before.items())
     assert len(format_costs(costs).splitlines()) == 4
+
+
+class Machine:
+    """A fake clock: a forward of r rows takes 10 ms + 1 ms a row, times `slower` while another
+    process shares the cores (`busy`: from the call after `busy_from` on, every other call of
+    a round of 3 is 3x slower, as a neighbour's bursts are)."""
+
+    def __init__(self, slower: float = 1.0) -> None:
+        self.now, self.calls, self.slower, self.busy_from = 0.0, 0, slower, None
+
+    def forward(self, rows: int) -> None:
+        self.calls += 1
+        loaded = self.busy_from is not None and self.calls > self.busy_from and self.calls % 3 == 0
+        self.now += (0.010 + 0.001 * rows) * self.slower * (3.0 if loaded else 1.0)
+
+    def measure(self, rows: list[int], reps: int) -> dict:
+        return timed_seconds(lambda _, r: lambda: self.forward(r), ["engine"], rows, reps, clock=lambda: self.now)
+
+
+ROWS = [1, 2, 4, 8, 16, 32]
+
+
+def quiet_curve(slower: float = 1.0) -> list[float]:
+    return pytest.approx([(0.010 + 0.001 * r) * slower for r in ROWS])
+
+
+def test_a_curve_timed_on_a_quiet_machine_is_kept_and_checked_cheaply_later(tmp_path):
+    path, lines = tmp_path / "cost.json", []
+    cost = calibrated({"engine": path}, ROWS, Machine().measure, 3, check=True, log=lines.append)["engine"]
+    assert cost.secs == quiet_curve() and StepCost.load(path, ROWS).secs == quiet_curve()
+    calibration._CHECKED.clear()  # a new process
+    later = Machine()
+    assert calibrated({"engine": path}, ROWS, later.measure, 3, check=True, log=lines.append)["engine"].secs == quiet_curve()
+    assert later.calls == 3 * 2  # the check: two row counts, a warm-up round and two timed ones
+    assert calibrated({"engine": path}, ROWS, later.measure, 3, check=True)["engine"].secs == quiet_curve()
+    assert later.calls == 3 * 2  # checked once per process
+
+
+def test_a_curve_timed_on_a_loaded_machine_is_never_kept(tmp_path):
+    """A neighbour's bursts make repeat timings disagree: timed TRIES times, used (made monotone)
+    but not kept; the next start times it again."""
+    path, lines = tmp_path / "cost.json", []
+    busy = Machine()
+    busy.busy_from = 0
+    cost = calibrated({"engine": path}, ROWS, busy.measure, 3, check=True, log=lines.append)["engine"]
+    assert not path.exists() and cost.secs == sorted(cost.secs) and cost.secs[0] >= 0.011
+    assert sum("busy while timing" in line for line in lines) == 3 and "not kept" in lines[-1]
+
+
+def test_a_kept_curve_survives_a_busy_start_and_follows_a_changed_machine(tmp_path):
+    path = tmp_path / "cost.json"
+    calibrated({"engine": path}, ROWS, Machine().measure, 3, log=print)
+    calibration._CHECKED.clear()  # a new process
+    busy = Machine(slower=2.0)  # the check finds it off; every timing again is disturbed
+    busy.busy_from = 0
+    assert calibrated({"engine": path}, ROWS, busy.measure, 3, check=True, log=print)["engine"].secs == quiet_curve()
+    assert StepCost.load(path, ROWS).secs == quiet_curve()  # the quiet curve stays
+    calibration._CHECKED.clear()
+    slower = Machine(slower=2.0)  # steadily 2x slower (another CPU model, a throttled host): re-timed and kept
+    assert calibrated({"engine": path}, ROWS, slower.measure, 3, check=True, log=print)["engine"].secs == quiet_curve(2.0)
+    assert StepCost.load(path, ROWS).secs == quiet_curve(2.0)
+
+
+def test_a_kept_curve_that_cannot_be_right_is_not_read():
+    """As a loaded machine wrote them: more rows far cheaper than fewer, or far dearer than that many
+    one-row forwards (`curve_problem`); or repeats that disagree (`timing_problem`)."""
+    import tempfile
+    from pathlib import Path
+
+    poisoned = {1: 0.233, 2: 0.092, 4: 0.253, 8: 0.096, 16: 0.249, 32: 2.95}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "cost.json"
+        path.write_text(json.dumps({"seconds": {str(k): v for k, v in poisoned.items()}}))
+        assert StepCost.load(path, list(poisoned)) is None
+        StepCost({1: 0.063, 2: 0.060, 4: 0.072, 32: 0.15}).save(path)  # a little cheaper at 2 rows: kernel forms
+        assert StepCost.load(path, [1, 2, 4, 32]) is not None
+    assert "under 1 rows'" in timing_problem({"plain": {1: [1.0, 1.1], 2: [1.1, 1.0], 4: [0.7, 0.7]}})
+    assert "over 4x 1 rows'" in timing_problem({"plain": {1: [0.1], 4: [0.9]}})
+    assert "repeat timings of 2 rows" in timing_problem({"plain": {1: [0.1, 0.1], 2: [0.1, 0.2]}})
+    assert timing_problem({"exact-bf16": {1: [0.21], 9: [0.23], 17: [0.30]}, "plain": {1: [0.26], 9: [0.25]}}) is None
+    assert StepCost({1: 1.0, 2: 0.9})(64) == 0.9  # never extrapolated below the last point
+
+
+def test_recalibrate_forgets_the_kept_curves_under_the_cache_the_user_set(tmp_path, monkeypatch):
+    from specsuite.core.draft_budget import cost_file, forget_costs
+
+    monkeypatch.setenv("SPECSUITE_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
+    path = cost_file(model_for("qwen2"), measure="engine v2:plain")
+    assert path.parent == tmp_path / "step_cost"
+    StepCost({1: 0.1, 2: 0.11}).save(path)
+    assert forget_costs() == 1 and not path.exists() and forget_costs() == 0

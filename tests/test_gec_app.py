@@ -108,8 +108,8 @@ def test_bad_drafter_or_backend_name_is_rejected(smollm2):
 
 
 def test_cli_correct_writes_error_records(smollm2, tmp_path, monkeypatch, capsys):
-    def load_shared(name, dtype=None):  # the CLI asks for the preset; hand it the loaded one
-        assert name == "smollm2-135m"
+    def load_shared(name, dtype=None, adapter=None, task=None):  # the CLI asks for the preset; hand it the loaded one
+        assert (name, adapter, task) == ("smollm2-135m", "auto", "gec")
         return smollm2
 
     monkeypatch.setattr(corrector_module, "load_model", load_shared)
@@ -159,7 +159,8 @@ def test_exact_asks_for_the_exact_forward_forms(smollm2):
 
     from specsuite.apps.gec.cli import _corrector
 
-    args = argparse.Namespace(model="smollm2-135m", drafter="copy", dtype=None, max_new_tokens=8, batch_size=4)
+    args = argparse.Namespace(model="smollm2-135m", drafter="copy", dtype=None, max_new_tokens=8, batch_size=4,
+                              adapter="none")
     exact = _corrector(argparse.Namespace(**vars(args), exact=True))
     assert exact.batch_size == 1 and exact.backend == choose_backend(exact.model, "exact")
     auto = _corrector(argparse.Namespace(**vars(args), exact=False))
@@ -173,7 +174,8 @@ def test_int8_asks_for_the_int8_backend_one_at_a_time_and_in_batches(smollm2):
 
     from specsuite.apps.gec.cli import _corrector
 
-    args = argparse.Namespace(model="smollm2-135m", drafter="copy", dtype=None, max_new_tokens=8, batch_size=4, int8=True)
+    args = argparse.Namespace(model="smollm2-135m", drafter="copy", dtype=None, max_new_tokens=8, batch_size=4,
+                              int8=True, adapter="none")
     one = _corrector(argparse.Namespace(**vars(args), exact=True))
     assert one.batch_size == 1 and one.backend.name == "int8"
     batched = _corrector(argparse.Namespace(**vars(args), exact=False))
