@@ -36,7 +36,6 @@ one costs over EXACT_OVERHEAD more than `plain`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -47,7 +46,7 @@ from .calibration import calibrated, forward_times
 from .draft import Draft
 from .draft_budget import StepCost, cost_file
 from . import forward as llama
-from .exact_linear import (FP32_FORMS, FP32_ROW_BUCKETS, PLAIN_ROWS, PackedWeights, bf16_rows, fp32_linear,
+from .exact_linear import (FP32_FORMS, Fp32Forms, FP32_ROW_BUCKETS, PLAIN_ROWS, PackedWeights, bf16_rows, fp32_linear,
                            packed_bf16_runs, packed_rows, short_call_rows)
 from .int8_linear import Int8Weights, int8_rows, int8_runs
 from .logit_screen import LogitScreen
@@ -287,7 +286,7 @@ def _fp32_form_costs(model) -> dict[str, dict[int, float]]:
     (`exact_linear.FP32_FORMS`): {form: {rows: s}} (measured once per machine and model, kept on
     disk; on the AMX CPU 11.5 s for Qwen2.5-0.5B, 32.4 s for Qwen2.5-1.5B)."""
     backends = [replace(FP32_CPU, name=form,
-                        linear=functools.partial(fp32_linear, forms=(form,) * len(FP32_ROW_BUCKETS)))
+                        linear=Fp32Forms((form,) * len(FP32_ROW_BUCKETS)))
                 for form in FP32_FORMS]
     return _measured(model, "fp32-forms", backends, list(FP32_ROW_BUCKETS))
 
@@ -317,7 +316,7 @@ def fp32_backend(model) -> Backend:
     bias. Qwen2.5-1.5B on the AMX CPU, ad hoc: 17, 23 and 47 ms less at 1, 8 and 32 rows (of 246,
     337, 575 ms); capping its drafts on the screened costs rather than the unscreened ones took
     2.6% less time on 30 JFLEG sentences (A/B)."""
-    backend = replace(FP32_CPU, linear=functools.partial(fp32_linear, forms=fp32_forms(model)))
+    backend = replace(FP32_CPU, linear=Fp32Forms(fp32_forms(model)))
     head = getattr(model, "lm_head", None)
     if not (packed_bf16_runs() and llama.supports(model) and isinstance(head, torch.nn.Linear)
             and head.bias is None and head.weight.dtype == torch.float32):

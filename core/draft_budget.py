@@ -26,6 +26,11 @@ class StepCost:
         self.rows = sorted(points)
         self.secs = [points[r] for r in self.rows]
 
+    def __eq__(self, other: object) -> bool:  # two backends chosen alike compare equal
+        return isinstance(other, StepCost) and (self.rows, self.secs) == (other.rows, other.secs)
+
+    __hash__ = None
+
     def __call__(self, rows: int) -> float:
         r, s = self.rows, self.secs
         if rows <= r[0] or len(r) == 1:
@@ -60,7 +65,7 @@ class StepCost:
 # A forward of more rows may cost a little less than one of fewer (kernel forms differ by shape),
 # never under CHEAPER_MORE of it; and one of r2 > r1 rows at most JUMP times r2/r1 one of r1 rows
 # (one call of k rows is never dearer than k calls of one row). A curve that breaks either was
-# timed while something else ran, e.g. 0.62 s for 1 row and 2.23 s for 4 rows where 0.07 and 0.08 are usual.
+# timed while something else ran (docs/architecture-core.md).
 CHEAPER_MORE = 0.8
 JUMP = 1.5
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from dataclasses import dataclass
 import weakref
 from typing import Callable, NamedTuple, Sequence
 
@@ -100,6 +101,16 @@ def fp32_linear(layer: torch.nn.Linear, x: torch.Tensor, block: int, packed: Pac
     if form == "packed":
         return _packed_call(x, layer.weight, layer.bias, packed)
     return F.linear(x, layer.weight, layer.bias)
+
+
+@dataclass(frozen=True)
+class Fp32Forms:
+    """`fp32_linear` with its `forms` fixed, as a value: two backends chosen alike compare equal."""
+    forms: tuple[str, ...] = FP32_DEFAULT_FORMS
+
+    def __call__(self, layer: torch.nn.Linear, x: torch.Tensor, block: int,
+                 packed: PackedWeights | None = None) -> torch.Tensor:
+        return fp32_linear(layer, x, block, packed, self.forms)
 
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -25,6 +25,7 @@ from conftest import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 def test_each_dtype_and_attention_gets_its_kind():
     fp32 = tiny_model("llama")
     assert choose_backend(fp32).name == choose_backend(fp32, "exact").name == FP32_CPU.name
+    assert choose_backend(fp32, "exact") == choose_backend(fp32, "exact")  # chosen alike: equal (fp32 forms, costs)
     plain = choose_backend(fp32, "plain")
     assert plain.name == "plain" and plain.tie_margin == 1e-3 and plain.lossless_prefix_cache
     assert choose_backend(tiny_model("llama", "eager")).name == "plain"  # not forward.py's: the model's own forward
@@ -83,7 +84,7 @@ def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, mon
     assert StepCost.load(paths["plain"], list(FP32_ROW_BUCKETS)) is not None
     write_fastest()
     backend = choose_backend(model, "auto")
-    assert backend.name == "fp32-cpu" and backend.linear.keywords["forms"] == fp32_forms(model)
+    assert backend.name == "fp32-cpu" and backend.linear.forms == fp32_forms(model)
     for i, p in enumerate(prompts(4, seed=23, lengths=(3, 100))):
         truth = hf_greedy(model, p, 40)
         out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[], backend=backend)

@@ -44,7 +44,8 @@ def test_forward_leaves_eager_attention_to_the_model():
 @pytest.mark.parametrize("where", [[0, 2, 3], [9, 0, 4]])
 def test_slots_with_gaps_compute_as_contiguous_slots(where):
     """The batched forward reads the cache slots of a step as one view where the sequences in
-    flight fill at least half of them (the gaps padded), else by index: the same logits either way."""
+    flight fill at least half of them (the gaps padded), else by index: the same logits either way
+    (bit for bit between views; within 1e-5 by index, as fp32 kernels order their sums by shape)."""
     model = tiny_model("qwen2")
     backend = plain_backend(model.dtype)
     layers = model.config.num_hidden_layers
@@ -59,4 +60,8 @@ def test_slots_with_gaps_compute_as_contiguous_slots(where):
                              [Draft.chain([6, 7]), None, Draft.chain([8])], where=slots)
         return [prefill, step]
 
-    assert all(torch.equal(a, b) for a, b in zip(run([0, 1, 2]), run(where)))
+    view, other = run([0, 1, 2]), run(where)
+    if where == [0, 2, 3]:  # a view either way: the same calls, bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(view, other))
+    else:  # by index: on an AVX2-only CPU fp32 kernels may sum a gathered copy in another order
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(view, other))

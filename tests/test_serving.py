@@ -245,10 +245,13 @@ def test_many_concurrent_calls_all_end_within_the_budget(smollm2, batched_rag):
         app.close()
     assert {kind for kind, _ in results} <= {"answered", "timed_out", "refused", "over_budget"}, results
     assert sum(kind == "refused" for kind, _ in results) == 8
-    # At once, though 24 calls arrive together at an app in this process, on a loaded 2-core machine.
-    assert all(t < 2 * REFUSAL_S for kind, t in results if kind in ("refused", "over_budget")), results
-    assert sum(kind == "answered" for kind, _ in results) >= 8, results
-    assert max(t for _, t in results) < budget + 3, results
+    # At once: a refusal waits for no model work, so it ends before most answers do, whatever the
+    # CPU; its time is what 48 clients arriving together cost the app in this process (seconds on
+    # 2 cores), which every other call pays too, on top of its budget and a step's margin.
+    answered = sorted(t for kind, t in results if kind == "answered")
+    refused = [t for kind, t in results if kind in ("refused", "over_budget")]
+    assert len(answered) >= 8 and max(refused) < answered[len(answered) // 2], results
+    assert max(t for _, t in results) < budget + max(refused) + 2, results
 
 
 @pytest.fixture(scope="module")
