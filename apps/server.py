@@ -316,8 +316,10 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
                                            for m in service.models]}
 
     @app.get("/health")
-    def health() -> dict:
-        return {"status": "ready", "models": service.models}
+    def health() -> JSONResponse:
+        if (failure := service.batch.failure) is not None:  # until a request is answered again
+            return JSONResponse({"status": "failed", "error": str(failure)}, status_code=503)
+        return JSONResponse({"status": "ready", "models": service.models})
 
     @app.get("/metrics")
     def metrics() -> PlainTextResponse:

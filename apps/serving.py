@@ -76,6 +76,10 @@ class _Running:
     joined: int
 
 
+class EngineFailure(RuntimeError):
+    """The running batch failed (not one request's input): its requests are lost."""
+
+
 def _fail(future: Future, error: Exception) -> None:
     """End a queued request with `error`, unless its caller cancelled it already."""
     if future.set_running_or_notify_cancel():
@@ -98,6 +102,7 @@ class BatchServer:
         self._running: dict[int, _Running] = {}  # by request number (the engine thread's alone)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.failure: EngineFailure | None = None  # the last batch failure, until a request is answered again
 
     def run(self, request: Request, deadline: Deadline) -> Generation:
         """Decode `request` in the batch; TimeBudgetExceeded once `deadline` passes, queued or not.
@@ -106,12 +111,16 @@ class BatchServer:
 
     def submit(self, request: Request, deadline: Deadline | None = None) -> Future:
         future: Future = Future()
+        self._queue.put((request, future, deadline or Deadline(None)))
+        self._start()
+        return future
+
+    def _start(self) -> None:
+        """Start the engine thread unless it runs."""
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="specsuite-batch", daemon=True)
                 self._thread.start()
-        self._queue.put((request, future, deadline or Deadline(None)))
-        return future
 
     def _requests(self) -> Iterator[Request | None]:
         admitted = 0  # prompt tokens admitted in this step
@@ -172,14 +181,20 @@ class BatchServer:
                     future.set_exception(result)
                 else:
                     self._learn(result)
+                    self.failure = None  # answering again
                     future.set_result(result)
-        except BaseException as e:  # the batch itself failed: fail its callers, restart on the next request
+        except BaseException as e:  # the batch itself failed: fail its callers, go on with the queued ones
+            failure = EngineFailure(f"the model's batch failed ({type(e).__name__}: {e}); the requests in it were "
+                                    "lost, the engine restarts with the next one; try again")
             with self._lock:
                 self._thread = None
+                self.failure = failure
                 waiting, self._futures = [f for f in self._futures if f is not None], []
                 self._running = {}
             for future in waiting:
-                future.set_exception(e)
+                future.set_exception(failure)
+            if not self._queue.empty():
+                self._start()
             raise
 
 

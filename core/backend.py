@@ -176,21 +176,15 @@ class Backend:
 # kernels than plain decoding's and differs from it by up to ~4e-5 (Qwen2.5-0.5B's logits after a
 # prefill, JFLEG prompts): a guard 25x wider.
 # Its drafts are capped at PLAIN_ROWS - 1 nodes: with the root, every layer then verifies them in one
-# call; a 40-row forward takes two (a second pass over the weights), ~230 ms against ~140 ms at 32
-# rows (Qwen2.5-0.5B, `specsuite step-cost`, before the packed form). 12 of the 408 copy-draft
-# steps of 100 JFLEG sentences drafted more; capped, the same outputs took 0.6% less time (ad-hoc
-# A/B, alternated).
+# call; a 40-row forward takes two (a second pass over the weights; docs/architecture-core.md,
+# "Measurements behind the code").
 EXACT_BF16 = Backend("exact-bf16", bf16_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(PLAIN_ROWS - 1,))
 # Where a layer rounds as one-row calls in cheap column-major calls only up to fewer rows
-# (`exact_linear.short_call_rows`), drafts are capped to fit them. Qwen2.5-1.5B's down projection
-# on the AMX CPU: 2-15 rows column-major, 192 padded columns beyond; a verify forward of 12 rows
-# cost 228 ms, 16 rows 292 (`specsuite step-cost`). Replayed with those costs on its greedy
-# outputs for 50 JFLEG sentences, drafts capped at 14 nodes needed 64.2 s of decoding, at 31
-# 68.6 s, at 11 67.4 s, at 7 72.4 s; so the cap follows the short calls down to this many rows.
+# (`exact_linear.short_call_rows`), drafts are capped to fit them, down to this many rows (the
+# replay that chose it: docs/architecture-core.md, "Measurements behind the code").
 MIN_SHORT_CALL_ROWS = 12
 # fp32-cpu's attention runs all rows in one sdpa call: one call per draft row rounds no closer to
-# plain decoding while the linear layers differ from it anyway (tie guard), and cost 2-4% more
-# (Qwen2.5-1.5B on the AMX CPU: 16 rows 427 vs 419 ms, a prefill of 28 + 16 rows 637 vs 612 ms).
+# plain decoding while the linear layers differ from it anyway (tie guard), and cost more.
 FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, draft_sizes=FP32_CPU_DRAFT_SIZES,
                    prefill_draft=FP32_CPU_PREFILL_DRAFT, plain_steps=False, lossless_prefix_cache=True,
                    exact_attention=False)

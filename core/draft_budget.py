@@ -162,13 +162,8 @@ class GoodputCap:
     drafts' nodes pass verification at the rate `a` seen so far (counted over the nodes tried up
     to the first rejection: a geometric model of acceptance), a cap of c nodes gains
     sum(a^i, i = 1..c) tokens and costs `cost(1 + c)`. An alternative to `draft.SizeLadder`, with
-    the same interface, for kernels whose measured cost per row is known.
-
-    Replayed on Qwen2.5-1.5B's greedy outputs for 50 JFLEG sentences with its fp32 step costs on
-    the AMX CPU (1, 8, 32 rows: 246, 337, 575 ms), 117.8 s of modelled decoding against 124.8 s with
-    the (3, 7, 15, 31) ladder; with AVX2-like costs (1, 8, 32 rows: 1.0, 1.6, 2.7 x) 274.0 against
-    278.7 (prior 0.9; 0.7 took 3% more). Prior 0.95: in A/B runs on 40 JFLEG sentences (1.5B, fp32,
-    AMX CPU, alternated, outputs identical) 2.7% less time than 0.9, and 0.97 0.6% less than 0.95."""
+    the same interface, for kernels whose measured cost per row is known (the replays and A/B
+    runs behind it and its prior: docs/architecture-core.md, "Measurements behind the code")."""
 
     def __init__(self, cost: StepCost, prior: float = 0.95) -> None:
         self.budget = DraftBudget(cost, prior)

@@ -20,7 +20,7 @@ this machine's kernel (`_form`), cheapest first:
   where neither a one-row call nor a packed call of 1..PLAIN_ROWS rows splits the sum (every
   projection of Qwen2.5 but the down projections, and the lm_head). Bit for bit a one-row
   `F.linear` at every row count, and cheaper: the plain call repacks the weights on every call.
-  One-token steps take it too (a Qwen2.5-0.5B forward of one row: 77 ms against 93 plain).
+  One-token steps take it too.
 - "plain": `F.linear` in calls of up to PLAIN_ROWS rows (where no packed weights are at hand).
 - "padded": `weight @ x.T` in calls of exactly `width` columns (zero-padded), the narrowest of
   PAD_WIDTHS whose calls split the input as the one-row call does: 33 columns on Qwen2.5-0.5B's
@@ -28,7 +28,7 @@ this machine's kernel (`_form`), cheapest first:
   everywhere: at 47 columns the k/v projection, 128x896 with a bias, rounded some rows otherwise.)
   Short calls go cheaper: `F.linear` of the rows laid out column-major splits the input as the
   one-row call does for 2..`short` rows (`_column_major_rows`: 2-15 rows on Qwen2.5-1.5B's down
-  projection, 1.3-1.5 ms a call against 2.9 ms for 192 padded columns; 2-32 on Qwen2.5-0.5B's).
+  projection, 2-32 on Qwen2.5-0.5B's), at about half the cost of the padded call.
 - "rows": one call per row, where nothing else passes (exact, slow).
 
 Where a layer takes another form, its one-token steps still run on packed weights wherever a
@@ -224,7 +224,7 @@ def _one_row_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   packed: PackedWeights | None = None) -> torch.Tensor:
     """A one-row `F.linear` (a decode step's call), bit for bit, on the packed weights where they
     round it alike (`packed_one_row_is_plain`): about half the time of the plain call, which
-    repacks the weights (Qwen2.5-1.5B's gate projection on the Zen 5 CPU: 0.38 ms against 0.87)."""
+    repacks the weights."""
     if packed_one_row_is_plain(*weight.shape, bias is not None):
         return _packed_call(x, weight, bias, packed)
     return F.linear(x, weight, bias)

@@ -7,9 +7,8 @@ int8 activations times the int8 weights, summed exactly in int32 by oneDNN's s8s
 scaled elementwise (the weight's channel scale in the kernel, the row's scale and the bias after
 it). Nothing in that depends on the other rows of the call, so a verify forward of any number of
 rows, a prefill, or a batched engine step computes each row's projection bit for bit as a one-token
-step does, in one call on weights packed once. And the int8 weights are half the bf16 bytes: a
-one-row call of a 4864x896 projection took 0.13 ms against 0.22 ms packed bf16, the 151936x896
-output layer 3.8 ms against 9.7 (flat up to 16 rows; AMX CPU, ad hoc).
+step does, in one call on weights packed once. And the int8 weights are half the bf16 bytes, so
+a step streams less (docs/architecture-core.md, "Measurements behind the code").
 
 The numerics are not bf16's: greedy output is identical to this backend's own one-token greedy
 decoding, not to bf16 greedy (docs/exactness.md). Each weight is quantized once, on first use, by

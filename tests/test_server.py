@@ -426,3 +426,50 @@ def test_sigterm_lets_the_requests_in_flight_finish_then_exits(smollm2_fp32, tmp
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the batch thread's error, logged
+def test_a_failed_batch_fails_its_requests_at_once_and_health_says_so(smollm2_fp32, demo_index):
+    """A fault injected into the running batch's forward: every request in it gets a 500 within
+    2 s, /health says failed; the next request is answered by a fresh engine thread, and /health
+    is ready again."""
+    import httpx
+
+    from specsuite.apps.server import ChatService, create_app
+
+    service = ChatService.from_loaded(*smollm2_fp32, demo_index, batch_size=4, model_name="smollm2-135m")
+    url, stop = serve(create_app(service))
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    store = service.batch.engine.store
+    forward, calls = store.forward, []
+
+    def failing_forward(*args, **kwargs):  # the 3rd forward of the batch raises, as a kernel or OOM would
+        calls.append(time.monotonic())
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return forward(*args, **kwargs)
+
+    store.forward = failing_forward
+    try:
+        def ask(sentence: str) -> tuple[str, float]:
+            try:
+                client.chat.completions.create(model="specsuite-gec", messages=[{"role": "user", "content": sentence}],
+                                               max_tokens=40)
+                return "answered", time.monotonic()
+            except openai.InternalServerError as e:
+                assert "injected fault" in str(e)
+                return "500", time.monotonic()
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(ask, SENTENCES[:4]))
+        assert any(kind == "500" for kind, _ in results), results
+        assert all(t - calls[2] < 2 for kind, t in results if kind == "500"), results  # at once, not at a timeout
+        health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        assert "injected fault" in health.json()["error"]
+        ok = client.chat.completions.create(model="specsuite-gec", messages=[{"role": "user", "content": "He go home."}])
+        assert ok.choices[0].message.content
+        assert httpx.get(url + "/health", timeout=30).json()["status"] == "ready"
+    finally:
+        store.forward = forward
+        stop()
