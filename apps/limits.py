@@ -195,9 +195,30 @@ def api_key(given: str | None) -> str | None:
     return given or os.environ.get(API_KEY_ENV) or None
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def allowed_hosts(text: str | None, bind: str) -> list[str] | None:
+    """The Host names a server answers to (None: any), from `--allowed-hosts` ("a,b", "*": any);
+    by default the loopback names when bound to loopback (so a web page cannot reach it through a
+    rebound DNS name), any otherwise."""
+    if text is None:
+        return list(LOOPBACK) if bind in LOOPBACK else None
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    return None if "*" in names else names
+
+
+def host_name(header: str) -> str:
+    """The name of a Host header, without its port ("[::1]:8000" -> "::1")."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
 def exposure_warning(host: str, key: str | None) -> str | None:
     """A warning for an app bound beyond this machine without a key: anyone on the network can use it."""
-    if key or host in ("127.0.0.1", "localhost", "::1"):
+    if key or host in LOOPBACK:
         return None
     return (f"warning: listening on {host} without an API key: anyone who can reach this port can run the model "
             f"and read what it serves; set --api-key or ${API_KEY_ENV}")

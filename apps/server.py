@@ -12,8 +12,10 @@ build their OpenAI Batch output lines from the apps' results with the same `open
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -23,13 +25,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import anyio.to_thread
 import torch
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from specsuite.apps import openai_api as api
+from specsuite.apps import limits, openai_api as api
 from specsuite.apps.gec.corrector import Corrector
 from specsuite.apps.gec.limits import check_source
 from specsuite.apps.limits import (Deadline, InputError, OverBudgetError, TimeBudgetExceeded, admit, check_limit,
@@ -45,6 +48,7 @@ from specsuite import models
 
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_MAX_QUEUE = 64  # requests waiting for a slot of the batch beyond those decoding
+DISCONNECT_POLL_S = 0.5  # how often a waiting reply checks that its caller is still there
 DEFAULT_CHAT_TOKENS = 256  # a plain chat's answer budget when the request sets no max_tokens
 
 
@@ -139,6 +143,12 @@ class ChatService:
                                              max_new_tokens=min(r.max_new_tokens, req.max_tokens or r.max_new_tokens),
                                              stop_strings=tuple(req.stop), tokenizer=self.tokenizer)
                          for r in plan.requests]
+        store = self.batch.engine.store
+        for r in plan.requests:  # refused now, not after the batch drained for it
+            if not store.fits(len(r.prompt) + r.max_new_tokens):
+                raise InputError(f"this request needs {len(r.prompt) + r.max_new_tokens:,} tokens of KV cache, more "
+                                 f"than the server's KV budget of {store.kv_budget_bytes / 2**30:.1f} GiB holds for one "
+                                 "sequence: ask for fewer max_tokens or send a shorter input")
         return plan
 
     def _plan_gec(self, req: api.ChatRequest) -> Plan:
@@ -213,8 +223,15 @@ class ChatService:
     def _wait(self, futures, deadline: Deadline) -> list[Generation]:
         return [wait(future, deadline) for future in futures]
 
-    def complete(self, req: api.ChatRequest, plan: Plan, deadline: Deadline) -> api.Reply:
-        return _cut_at_stop(plan.finish(self._wait(self._submit(plan, deadline), deadline)), req.stop)
+    def complete(self, req: api.ChatRequest, plan: Plan, deadline: Deadline,
+                 gone: threading.Event | None = None) -> api.Reply:
+        """The reply; once `gone` is set (the caller went away), its sequences end at their next step."""
+        def on_step(i: int, tokens: list[int]) -> None:
+            if gone.is_set():
+                raise StreamClosed("the client went away")
+
+        futures = self._submit(plan, deadline, None if gone is None else on_step)
+        return _cut_at_stop(plan.finish(self._wait(futures, deadline)), req.stop)
 
     def stream(self, req: api.ChatRequest, plan: Plan, deadline: Deadline) -> Iterator[str | api.Reply]:
         """The content's deltas as the batch decodes it, then the Reply. Closing the iterator ends
@@ -289,40 +306,74 @@ def presented_key(authorization: str) -> str | None:
     return None
 
 
-def create_app(service: ChatService, ui: bool = True, api_key: str | None = None):
+class Gate:
+    """ASGI middleware that answers a request with `refuse(request)` where that is not None. Plain
+    ASGI: Starlette's BaseHTTPMiddleware would hide a caller's disconnect from the routes."""
+
+    def __init__(self, app, refuse: Callable[[HttpRequest], Response | None]):
+        self.app, self.refuse = app, refuse
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (response := self.refuse(HttpRequest(scope))) is not None:
+            await response(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+def create_app(service: ChatService, ui: bool = True, api_key: str | None = None,
+               allowed_hosts: list[str] | None = None):
     """The FastAPI app over `service`; with `ui`, the GEC and RAG Gradio apps at /gec and /rag.
     api_key: every route asks for it (a Bearer token; the UIs also take it as a browser's Basic
-    password); None: open, for loopback use."""
-    app = FastAPI(title="specsuite", description=__doc__)
+    password); None: open, for loopback use. allowed_hosts: the Host names it answers to (400
+    otherwise; `limits.allowed_hosts`); None: any."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        # Each admitted request holds a worker thread while it waits for the batch: room for all of
+        # them and some, so the light routes and the next requests' checks never queue behind them.
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, service.max_requests + 16)
+        yield
+
+    app = FastAPI(title="specsuite", description=__doc__, lifespan=lifespan)
 
     def fail(status: int, message: str, **headers: str) -> JSONResponse:
         return JSONResponse(api.error(status, message), status_code=status, headers=headers or None)
 
+    def wrong_host(http: HttpRequest) -> Response | None:
+        name = limits.host_name(http.headers.get("host", ""))
+        if name not in allowed_hosts:
+            return fail(400, f"this server does not answer to the host {name!r} (--allowed-hosts)")
+        return None
+
+    def wrong_key(http: HttpRequest) -> Response | None:
+        if http.url.path == "/health":  # for load balancers and supervisors: says nothing served
+            return None
+        key = presented_key(http.headers.get("authorization", ""))
+        if key is None or not hmac.compare_digest(key.encode(), api_key.encode()):
+            # Basic makes a browser ask for the key (as the password) on the UIs; clients send Bearer.
+            challenge = {} if http.url.path.startswith("/v1/") else {"WWW-Authenticate": 'Basic realm="specsuite"'}
+            return fail(401, "a valid API key is needed: send 'Authorization: Bearer <key>'", **challenge)
+        return None
+
     if api_key:
-        @app.middleware("http")
-        async def check_key(http: HttpRequest, call_next):
-            if http.url.path == "/health":  # for load balancers and supervisors: says nothing served
-                return await call_next(http)
-            key = presented_key(http.headers.get("authorization", ""))
-            if key is None or not hmac.compare_digest(key.encode(), api_key.encode()):
-                # Basic makes a browser ask for the key (as the password) on the UIs; clients send Bearer.
-                challenge = {} if http.url.path.startswith("/v1/") else {"WWW-Authenticate": 'Basic realm="specsuite"'}
-                return fail(401, "a valid API key is needed: send 'Authorization: Bearer <key>'", **challenge)
-            return await call_next(http)
+        app.add_middleware(Gate, refuse=wrong_key)
+    if allowed_hosts is not None:
+        app.add_middleware(Gate, refuse=wrong_host)  # added last: checked first
 
     @app.get("/v1/models")
-    def models() -> dict:
+    async def models() -> dict:
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "specsuite"}
                                            for m in service.models]}
 
     @app.get("/health")
-    def health() -> JSONResponse:
+    async def health() -> JSONResponse:
         if (failure := service.batch.failure) is not None:  # until a request is answered again
             return JSONResponse({"status": "failed", "error": str(failure)}, status_code=503)
         return JSONResponse({"status": "ready", "models": service.models})
 
     @app.get("/metrics")
-    def metrics() -> PlainTextResponse:
+    async def metrics() -> PlainTextResponse:
         return PlainTextResponse(service.metrics.render(service.held, service.max_requests, service.batch_size),
                                  media_type="text/plain; version=0.0.4")
 
@@ -362,7 +413,15 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
         try:
             plan = await run_in_threadpool(service.plan, req)  # the app's checks; retrieval for RAG
             if not req.stream:
-                reply = await run_in_threadpool(service.complete, req, plan, deadline)
+                gone = threading.Event()  # a caller gone while its reply is made frees its slot at the next step
+                work = asyncio.ensure_future(run_in_threadpool(service.complete, req, plan, deadline, gone))
+                while not (await asyncio.wait([work], timeout=DISCONNECT_POLL_S))[0]:
+                    if await http.is_disconnected():
+                        gone.set()
+                if gone.is_set():
+                    work.exception()  # retrieved: its error is the caller's going
+                    return fail(499, "the client closed the connection"), model, None
+                reply = work.result()
                 return JSONResponse(api.completion(reply, req.model)), model, reply.stats
             # The stream's own `finally` gives the place back; the background task too, for a
             # caller gone before the stream's first byte (its generator then never starts).
@@ -419,7 +478,7 @@ def loading_app(model: str):
     app = FastAPI()
 
     @app.get("/health")
-    def health() -> JSONResponse:
+    async def health() -> JSONResponse:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])

@@ -38,7 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
         service = ChatService.from_loaded(model, tokenizer, index, batch_size=args.batch_size,
                                           time_budget_s=args.time_budget, max_queue=args.max_queue,
                                           model_name=args.model_name)
-        app = create_app(service, ui=not args.no_ui, api_key=key)
+        app = create_app(service, ui=not args.no_ui, api_key=key,
+                         allowed_hosts=limits.allowed_hosts(args.allowed_hosts, args.host))
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -68,6 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--api-key", help=limits.API_KEY_HELP)
+    p.add_argument("--allowed-hosts", metavar="NAMES", help="comma-separated Host names the server answers to, "
+                   "400 otherwise ('*': any); default: localhost, 127.0.0.1 and ::1 when bound to loopback, any otherwise")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--batch-size", type=_positive, default=DEFAULT_BATCH_SIZE,
                    help=f"sequences decoded together in the one running batch (default {DEFAULT_BATCH_SIZE})")

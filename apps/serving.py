@@ -37,6 +37,9 @@ MAX_PROMPT_TOKENS_PER_STEP = 1024
 # ones (exponentially weighted, LEARN_RATE), as is the rows a sequence adds to a step.
 PRIOR_STEPS = 24
 LEARN_RATE = 0.2
+# Seconds with nothing to decode after which the engine's KV cache is freed (a server's cache grows
+# with its busiest moment; bursts closer together keep it).
+IDLE_SHRINK_S = 30.0
 # Worker threads of a web app (`launch(max_threads=...)`): every caller waiting for the batch holds
 # one, so with gradio's default of 40 the 41st concurrent caller, even one to be refused at once,
 # would wait for a thread.
@@ -131,9 +134,13 @@ class BatchServer:
                 yield None
                 continue
             if held is None:
+                idle = self.engine.in_flight == 0
                 try:  # block only while nothing is decoding
-                    held = self._queue.get(block=self.engine.in_flight == 0)
+                    held = self._queue.get(block=idle, timeout=IDLE_SHRINK_S if idle else None)
                 except queue.Empty:
+                    if idle:  # nothing asked for a while: give the KV cache's memory back
+                        self.engine.store.shrink()
+                        continue
                     admitted = 0
                     yield None
                     continue

@@ -173,6 +173,8 @@ class BatchEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         if len(prompt) >= self.context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.context}")
+        if not self.in_flight:
+            slots.clear()  # an empty batch: its slots are made anew, sized by what comes in
         free = next((i for i, s in enumerate(slots) if s is None), len(slots))
         cached = self.store.admit(free, prompt, min(request.max_new_tokens, self.context - len(prompt)),
                                   slots=len(slots), in_flight=self.in_flight, batch_size=self.batch_size)

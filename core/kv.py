@@ -56,6 +56,8 @@ class KVStore(Protocol):
 
     def release(self, slot: int) -> None: ...
 
+    def shrink(self) -> None: ...
+
 
 class SlotStore:
     """A KV cache preallocated per layer, one slot per sequence, written at each slot's own
@@ -98,13 +100,15 @@ class SlotStore:
             return
         p = have_p if positions <= have_p else max(positions, 2 * have_p, 128)
         fit = self.kv_budget_bytes // (p * self.token_bytes)
-        s = have_s if slots <= have_s else max(slots, min(2 * have_s, most, fit))
+        # Longer slots may mean fewer of them within the budget: the ones past `slots` hold no sequence.
+        s = max(slots, min(have_s if slots <= have_s else min(2 * have_s, most), fit))
+        keep = min(have_s, s)
         shape = (s, self.kv_heads, p, self.head_dim)
         for i in range(len(self.layers)):
             for store in (self.keys, self.values):
                 new = torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
                 if i < len(store):
-                    new[:have_s, :, :have_p] = store[i]
+                    new[:keep, :, :have_p] = store[i][:keep]
                     store[i] = new
                 else:
                     store.append(new)
@@ -126,9 +130,12 @@ class SlotStore:
               batch_size: int) -> int | None:
         """Make room in cache slot `slot` (of `slots` made so far, at most `batch_size`) and copy the
         shared prefix's KV into it; None where the KV budget has no room now."""
-        need = len(prompt) + max_new + 64  # room for the last step's draft rows
+        need = len(prompt) + max_new + 64  # room for the last step's draft rows (as `fits`)
         in_use = max(slots, slot + 1)
         have_p = self.keys[0].shape[2] if self.keys else 0
+        if not in_flight and in_use * max(need, have_p) * self.token_bytes > self.kv_budget_bytes:
+            self.shrink()  # nothing in flight: the cache is made anew at this sequence's size
+            have_p = 0
         if in_use * max(need, have_p) * self.token_bytes > self.kv_budget_bytes:
             if in_flight:
                 return None
@@ -148,6 +155,15 @@ class SlotStore:
 
     def release(self, slot: int) -> None:
         """Nothing to free: the slot's positions are overwritten by the next sequence."""
+
+    def shrink(self) -> None:
+        """With no sequence in flight: give the cache's memory back (the next admission makes it
+        anew; the shared prefix's KV is kept)."""
+        self.keys, self.values = [], []
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a sequence of `tokens` positions (prompt and answer) fits the KV budget alone."""
+        return (tokens + 64) * self.token_bytes <= self.kv_budget_bytes
 
 
 class CacheStore:
@@ -187,3 +203,6 @@ class CacheStore:
 
     def release(self, slot: int) -> None:
         """Nothing to free: the cache goes with the store."""
+
+    def shrink(self) -> None:
+        """Nothing kept between sequences."""

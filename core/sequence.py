@@ -135,11 +135,16 @@ def context_length(model) -> int:
 
 def _first_stop(tokenizer, new: list[int], stop_strings: Seq[str], start: int) -> int | None:
     """Length of the shortest prefix of `new` (at least `start` + 1 tokens) whose text contains a
-    stop string, or None. Stopping there leaves the same tokens as one-token-at-a-time decoding."""
-    if not any(s in tokenizer.decode(new) for s in stop_strings):
+    stop string, or None. Stopping there leaves the same tokens as one-token-at-a-time decoding.
+    The text before `start` was searched already, so only a stop string ending after it is new; one
+    of L characters spans at most 4L tokens (a token is at least a byte), so the tail from `lo` holds
+    it whole, past the window's first token (whose text may decode otherwise on its own): each step
+    decodes that tail, not the whole output."""
+    lo = max(0, start - 4 * max(map(len, stop_strings)) - 2)
+    if not any(s in tokenizer.decode(new[lo:]) for s in stop_strings):
         return None
     for k in range(max(1, start + 1), len(new) + 1):
-        if any(s in tokenizer.decode(new[:k]) for s in stop_strings):
+        if any(s in tokenizer.decode(new[lo:k]) for s in stop_strings):
             return k
     return None
 

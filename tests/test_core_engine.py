@@ -92,6 +92,19 @@ def test_kv_budget_makes_requests_wait_not_fail():
     assert engine.store.keys[0].shape[0] == 2  # never more than two slots
 
 
+def test_a_long_request_after_a_full_batch_gets_a_cache_made_to_its_size():
+    # Four short sequences fill the budget as four slots; the long one fits the budget only alone:
+    # it waits for them, then the empty batch's cache is made anew for it (not a "does not fit").
+    model = model_for("llama", max_positions=512)
+    short, long_ = prompts(4, seed=13, lengths=(4, 10)), prompts(1, seed=14, lengths=(20, 20))[0]
+    requests = [Request(p, max_new_tokens=8) for p in short] + [Request(long_, max_new_tokens=200)]
+    engine = BatchEngine(model, 6, eos_token_id=[], cost=FLAT, kv_budget_bytes=1)
+    engine.store.kv_budget_bytes = 4 * 128 * engine.store.token_bytes
+    outs = generate_many_with(engine, requests)
+    assert [o.tokens for o in outs] == [hf_greedy(model, r.prompt, r.max_new_tokens) for r in requests]
+    assert engine.store.keys[0].shape[0] * engine.store.keys[0].shape[2] <= 4 * 128
+
+
 def test_a_bad_request_fails_alone():
     model = model_for("llama")
     good = prompts(2, seed=11)

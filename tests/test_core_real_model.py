@@ -217,3 +217,16 @@ def test_exact_linear_rounds_real_activations_as_one_row_calls_in_bf16(smollm2_f
                                for i in range(len(x))])
             for m in (1, 2, 7, 20, 33, 50, len(x)):
                 assert torch.equal(one_row_rounding(x[:m], layer.weight, layer.bias), alone[:m]), (layer, m)
+
+
+def test_a_stop_string_is_searched_in_the_new_tail_only_and_found_across_its_start(smollm2):
+    """Each step decodes only the output's tail (`_first_stop`): a stop string that began in
+    tokens searched before and ends in the new ones is found, at the shortest prefix."""
+    from specsuite.core.sequence import _first_stop
+
+    tok = smollm2[1]
+    ids = tok("one two three four " * 40 + "the end of it")["input_ids"]
+    ends = [k for k in range(1, len(ids) + 1) if "end of" in tok.decode(ids[:k])]
+    for start in (ends[0] - 1, ends[0] - 2, 0):
+        assert _first_stop(tok, ids, ["end of"], start) == ends[0]
+    assert _first_stop(tok, ids, ["never here"], len(ids) - 1) is None

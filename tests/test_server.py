@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
-from specsuite.apps import openai_api as api
+from specsuite.apps import limits, openai_api as api
 from specsuite.apps.limits import InputError
 
 openai = pytest.importorskip("openai")
@@ -54,7 +54,7 @@ def server(smollm2_fp32, demo_index):
     from specsuite.apps.server import ChatService, create_app
 
     service = ChatService.from_loaded(*smollm2_fp32, demo_index, batch_size=8, model_name="smollm2-135m")
-    url, stop = serve(create_app(service))
+    url, stop = serve(create_app(service, allowed_hosts=limits.allowed_hosts(None, "127.0.0.1")))
     yield service, url
     stop()
 
@@ -113,6 +113,90 @@ def test_sse_and_error_shapes():
 
 
 # ---- the real server -------------------------------------------------------------------------
+
+def test_allowed_hosts():
+    assert limits.allowed_hosts(None, "127.0.0.1") == ["127.0.0.1", "localhost", "::1"]
+    assert limits.allowed_hosts(None, "0.0.0.0") is None and limits.allowed_hosts("*", "127.0.0.1") is None
+    assert limits.allowed_hosts("API.example.com, 10.0.0.5", "0.0.0.0") == ["api.example.com", "10.0.0.5"]
+    assert [limits.host_name(h) for h in ("127.0.0.1:8000", "[::1]:8000", "Example.com", "::1")] == [
+        "127.0.0.1", "::1", "example.com", "::1"]
+
+
+def test_a_request_for_another_host_name_is_refused(server):
+    """Bound to loopback, the server answers to loopback names only: a page that rebinds its own
+    DNS name to 127.0.0.1 cannot reach it from a browser."""
+    import httpx
+
+    _, url = server
+    assert httpx.get(url + "/v1/models", timeout=30).status_code == 200
+    evil = httpx.get(url + "/v1/models", headers={"Host": "attacker.example"}, timeout=30)
+    assert evil.status_code == 400 and "attacker.example" in evil.json()["error"]["message"]
+    assert httpx.get(url + "/v1/models", headers={"Host": "localhost"}, timeout=30).status_code == 200
+
+
+def test_the_light_routes_answer_at_once_while_every_place_waits_for_the_batch(server):
+    """As many requests as the server holds (its batch and queue: more than anyio's 40 worker
+    threads), each waiting for the batch in a thread: /v1/models and /health answer within 1 s
+    throughout."""
+    import httpx
+
+    service, url = server
+
+    def ask(i: int) -> int:
+        body = {"model": "specsuite-gec", "messages": [{"role": "user", "content": SENTENCES[i % len(SENTENCES)]}],
+                "max_tokens": 12}
+        return httpx.post(url + "/v1/chat/completions", json=body, timeout=300).status_code
+
+    latencies = []
+    with ThreadPoolExecutor(service.max_requests) as pool:
+        futures = [pool.submit(ask, i) for i in range(service.max_requests)]
+        time.sleep(1.0)  # all of them in
+        while not all(f.done() for f in futures):
+            for route in ("/v1/models", "/health"):
+                start = time.monotonic()
+                assert httpx.get(url + route, timeout=30).status_code == 200
+                latencies.append(time.monotonic() - start)
+            time.sleep(0.2)
+        codes = [f.result() for f in futures]
+    assert service.max_requests > 40 and codes == [200] * service.max_requests, codes
+    assert len(latencies) >= 4 and max(latencies) < 1.0, latencies
+
+
+def test_a_request_the_kv_budget_cannot_hold_is_refused_before_the_batch(server, client):
+    service, _ = server
+    store = service.batch.engine.store
+    budget = store.kv_budget_bytes
+    store.kv_budget_bytes = 400 * store.token_bytes  # a small machine's budget: ~330 tokens a sequence
+    try:
+        with pytest.raises(openai.BadRequestError, match="KV budget"):
+            client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Say hi."}],
+                                           max_tokens=1000)
+        # One that fits alone is answered, though the cache's slots were made longer or more numerous.
+        ok = client.chat.completions.create(model="specsuite-gec", messages=[{"role": "user", "content": "He go home."}],
+                                            max_tokens=1000)
+        assert ok.choices[0].message.content
+    finally:
+        store.kv_budget_bytes = budget
+
+
+def test_a_caller_gone_before_its_reply_ends_its_sequence(server):
+    """A non-streamed request whose caller leaves: its sequence ends within a step and a poll
+    (status 499 in the metrics), its place is given back, not held until its 2,000 tokens."""
+    import httpx
+
+    service, url = server
+    body = {"model": "smollm2-135m", "max_tokens": 2000,
+            "messages": [{"role": "user", "content": "Count from one to one thousand in words, one number a line."}]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=1.5))
+    left = time.monotonic()
+    while service.held and time.monotonic() < left + 10:
+        time.sleep(0.05)
+    assert service.held == 0 and time.monotonic() - left < 3
+    text = httpx.get(url + "/metrics", timeout=30).text
+    counts = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert counts['specsuite_requests_total{model="smollm2-135m",status="499"}'] == 1
+
 
 def test_health_and_metrics(server, client):
     import httpx

@@ -67,6 +67,23 @@ def test_a_request_queued_past_its_budget_leaves_the_queue_without_a_slot(smollm
     assert server.run(Request(_prompt(tok, 20), max_new_tokens=4, on_step=later), Deadline(60)).tokens and later.at
 
 
+def test_an_idle_batch_gives_its_kv_cache_back_and_answers_alike_after(smollm2, monkeypatch):
+    from specsuite.apps import serving
+    from specsuite.core.engine import BatchEngine, Request
+
+    monkeypatch.setattr(serving, "IDLE_SHRINK_S", 0.3)
+    tok = smollm2[1]
+    server = serving.BatchServer(BatchEngine(smollm2[0], batch_size=2, draft_budget=False))
+    first = server.run(Request(_prompt(tok, 20), max_new_tokens=12), Deadline(60))
+    store = server.engine.store
+    assert store.keys, "a cache while it decodes"
+    deadline = time.monotonic() + 10
+    while store.keys and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store.keys == [] and store.values == []
+    assert server.run(Request(_prompt(tok, 20), max_new_tokens=12), Deadline(60)).tokens == first.tokens
+
+
 def test_a_running_request_stops_at_its_next_step(smollm2, engine):
     from specsuite.apps.limits import estimate_s
     from specsuite.apps.serving import BatchServer
