@@ -98,11 +98,19 @@ def token_limit_arg(text: str) -> int:
     return int(text)
 
 
-@functools.lru_cache(maxsize=8)
+_STEP_COST_LOCK = threading.Lock()
+
+
 def step_cost(model) -> Callable[[int], float] | None:
     """Seconds of one engine forward by its rows on this machine, for this model (`StepCost`: the
     core measures it once per machine, model and dtype and keeps it on disk), or None where the
     batched engine does not run the model. The apps' one adapter to the core's measurement."""
+    with _STEP_COST_LOCK:  # the first callers at once (a server's first burst) wait for one measurement
+        return _step_cost(model)
+
+
+@functools.lru_cache(maxsize=8)
+def _step_cost(model) -> Callable[[int], float] | None:
     from specsuite.core.engine import BatchEngine, engine_supports
 
     if not engine_supports(model):

@@ -22,6 +22,7 @@ import json
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -336,6 +337,7 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
         yield
 
     app = FastAPI(title="specsuite", description=__doc__, lifespan=lifespan)
+    replica = uuid.uuid4().hex[:12]  # names the process that answered, behind a load balancer or Ray Serve
 
     def fail(status: int, message: str, **headers: str) -> JSONResponse:
         return JSONResponse(api.error(status, message), status_code=status, headers=headers or None)
@@ -369,8 +371,8 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
     @app.get("/health")
     async def health() -> JSONResponse:
         if (failure := service.batch.failure) is not None:  # until a request is answered again
-            return JSONResponse({"status": "failed", "error": str(failure)}, status_code=503)
-        return JSONResponse({"status": "ready", "models": service.models})
+            return JSONResponse({"status": "failed", "error": str(failure), "replica": replica}, status_code=503)
+        return JSONResponse({"status": "ready", "models": service.models, "replica": replica})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -381,6 +383,7 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
     async def chat_completions(http: HttpRequest):
         start = time.monotonic()
         response, model, stats = await answer(http, start)
+        response.headers["x-specsuite-replica"] = replica
         if not isinstance(response, StreamingResponse):  # a stream counts itself when it ends
             service.metrics.request(model, response.status_code, time.monotonic() - start, stats)
         return response
@@ -408,7 +411,7 @@ def create_app(service: ChatService, ui: bool = True, api_key: str | None = None
         except Exception as e:  # noqa: BLE001 - mapped to its status below
             if (status := _status(e)) is None:
                 raise
-            return fail(status, str(e)), model, None
+            return fail(status, str(e), **({"Retry-After": "1"} if status == 429 else {})), model, None
         streaming = False
         try:
             plan = await run_in_threadpool(service.plan, req)  # the app's checks; retrieval for RAG

@@ -12,34 +12,47 @@ from specsuite.models import DEFAULT_MODEL
 from .server import DEFAULT_BATCH_SIZE, DEFAULT_MAX_QUEUE
 
 
+def build_app(args: argparse.Namespace):
+    """Load the model and build the server the flags describe (one process, or one Ray Serve
+    replica): (service, app). Raises ValueError, RuntimeError or OSError with a message for the user."""
+    from specsuite.models import load_model
+
+    from .server import ChatService, create_app
+
+    adapter = "auto" if args.adapter in ("gec", "rag") else args.adapter
+    model, tokenizer = load_model(args.model, dtype=args.dtype, adapter=adapter,
+                                  task=args.adapter if args.adapter in ("gec", "rag") else None)
+    index = None
+    if args.index:
+        from specsuite.retrieval import PassageIndex
+
+        index = PassageIndex.load(args.index)
+    service = ChatService.from_loaded(model, tokenizer, index, batch_size=args.batch_size,
+                                      time_budget_s=args.time_budget, max_queue=args.max_queue,
+                                      model_name=args.model_name)
+    if args.time_budget:
+        limits.step_cost(model)  # admission's cost estimate, measured before the port says ready
+    return service, create_app(service, ui=not args.no_ui, api_key=limits.api_key(args.api_key),
+                               allowed_hosts=limits.allowed_hosts(args.allowed_hosts, args.host))
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    key = limits.api_key(args.api_key)
-    if warning := limits.exposure_warning(args.host, key):
+    if warning := limits.exposure_warning(args.host, limits.api_key(args.api_key)):
         print(warning, file=sys.stderr)
-    from .server import ChatService, create_app, loading_app
+    if args.ray:
+        from .ray_serve import serve_on_ray
+
+        return serve_on_ray(args)
+    from .server import loading_app
 
     # The port answers 503 while the model loads, so clients can wait for it (Retry-After).
     loading = uvicorn.Server(uvicorn.Config(loading_app(args.model), host=args.host, port=args.port, log_level="warning"))
     thread = threading.Thread(target=loading.run, daemon=True)
     thread.start()
     try:
-        from specsuite.models import load_model
-
-        adapter = "auto" if args.adapter in ("gec", "rag") else args.adapter
-        model, tokenizer = load_model(args.model, dtype=args.dtype, adapter=adapter,
-                                      task=args.adapter if args.adapter in ("gec", "rag") else None)
-        index = None
-        if args.index:
-            from specsuite.retrieval import PassageIndex
-
-            index = PassageIndex.load(args.index)
-        service = ChatService.from_loaded(model, tokenizer, index, batch_size=args.batch_size,
-                                          time_budget_s=args.time_budget, max_queue=args.max_queue,
-                                          model_name=args.model_name)
-        app = create_app(service, ui=not args.no_ui, api_key=key,
-                         allowed_hosts=limits.allowed_hosts(args.allowed_hosts, args.host))
+        service, app = build_app(args)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -80,6 +93,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds a request may take, waiting included (default 180; 0: no limit): 408 past it")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds the requests in flight may take to finish before exit (default 30)")
+    p.add_argument("--ray", metavar="ADDRESS", help="run as a Ray Serve deployment on this cluster ('auto': the one "
+                   "`ray start` made here, 'local': a new one on this machine); the model loads in every replica")
+    p.add_argument("--replicas", type=_positive, default=1, help="with --ray: replicas, one model each (default 1)")
+    p.add_argument("--replica-cpus", type=float, metavar="N",
+                   help="with --ray: CPUs a replica takes (default: the cluster's CPUs shared among the replicas)")
     p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio apps at /gec and /rag")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)

@@ -9,9 +9,9 @@ import sys
 
 # Each command's module has `register(subparsers)`, adding the command with `func=` handlers that
 # return an exit code.
-COMMANDS = {"models": "specsuite.models_cli", "bench": "specsuite.bench", "bench-ray": "specsuite.bench_ray",
+COMMANDS = {"models": "specsuite.models_cli", "bench": "specsuite.bench.cli", "bench-ray": "specsuite.bench.ray_job",
             "step-cost": "specsuite.step_cost", "gec": "specsuite.apps.gec.cli", "rag": "specsuite.apps.rag.cli",
-            "serve": "specsuite.apps.server_cli", "bench-openai": "specsuite.bench_openai",
+            "serve": "specsuite.apps.server_cli", "bench-openai": "specsuite.bench.openai_server",
             "eval": "specsuite.apps.eval_cli", "train": "specsuite.training.cli"}
 
 

@@ -6,12 +6,16 @@ then jumps at 8, 16 and 32, which `generate()`'s draft size ladder follows). Thi
 prompt of random tokens is prefilled once, then a chain of k-1 draft tokens after one fresh token
 runs through each backend's forward (`core.backend`), k rows in all, every row count in turn,
 `reps` rounds (the one timing loop, `core.calibration`), the cache cropped back after each: the model's exact form for its dtype,
-the plain multi-row forward and, where oneDNN's int8 kernel sums exactly, the int8 backend. It also says which backend `generate()` runs for this model here.
+the plain multi-row forward and, where oneDNN's int8 kernel sums exactly, the int8 backend. It also says which backend `generate()` runs for this model here,
+and how many bytes a one-row step reads and at what rate, against the machine's copy bandwidth
+(a decode step reads every weight once: memory bandwidth is its roof).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
@@ -36,6 +40,44 @@ def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5)
     return measure_forward_costs(model, backends, rows, context, reps)
 
 
+def step_bytes(model, backend: str, context: int) -> int:
+    """Bytes a one-row decode step reads: every linear layer's weight, the output layer's too, at
+    the backend's element size (int8: 1), and the keys and values of `context` tokens."""
+    size = 1 if backend.startswith("int8") else model.dtype.itemsize
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv = 2 * cfg.num_hidden_layers * getattr(cfg, "num_key_value_heads", heads) * head_dim * model.dtype.itemsize
+    return weights * size + kv * context
+
+
+def copy_bandwidth(megabytes: int = 512, reps: int = 5) -> float:
+    """Bytes a second this machine moves in a large tensor copy (read + write): the roof that
+    a decode step, which reads every weight once, can at best approach."""
+    src = torch.ones(megabytes << 18)  # fp32: 4 bytes an element
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # pages touched once before timing
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.nbytes / statistics.median(times)
+
+
+def format_bandwidth(model, costs: dict[str, dict[int, float]], context: int, roof: float) -> str:
+    """Per backend: the bytes a one-row step reads, the rate its measured time gives, and that
+    rate against the copy bandwidth."""
+    lines = [f"one-row step, against this machine's copy bandwidth of {roof / 1e9:.1f} GB/s (read + write):"]
+    for name, cost in costs.items():
+        one = cost[min(cost)]
+        moved = step_bytes(model, name, context)
+        lines.append(f"  {name:<14} {moved / 1e6:>9.1f} MB  {moved / one / 1e9:>6.1f} GB/s  "
+                     f"{moved / one / roof:>5.0%} of the roof")
+    return "\n".join(lines)
+
+
 def format_costs(costs: dict[str, dict[int, float]]) -> str:
     names = list(costs)
     first = costs[names[0]]
@@ -58,6 +100,8 @@ def _cmd(args: argparse.Namespace) -> int:
     print(f"verify forward cost · {args.model} ({str(model.dtype).replace('torch.', '')}) · "
           f"{args.context} cached tokens · median of {args.reps} · {torch.get_num_threads()} threads")
     print(format_costs(costs))
+    if 1 in rows:
+        print(format_bandwidth(model, costs, args.context, copy_bandwidth()))
     print(f"the apps run the {choose_backend(model).label!r} backend for this model here (choose_backend)")
     return 0
 

@@ -69,6 +69,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_process(log: Path, *flags: str, timeout: float = 180):
+    """`specsuite serve FLAGS` as its own process on a free port, once its /health answers 200:
+    (process, base URL). The caller ends the process."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "specsuite.cli", "serve", "--port", str(port), *flags],
+                                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the server did not start:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def browser_page():
     """A page in Debian's headless chromium driven by Playwright (never a downloaded browser).

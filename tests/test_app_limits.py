@@ -277,3 +277,26 @@ def test_gec_time_budget_ends_the_call_and_frees_the_model(gec):
     client, tight = gec
     _refused(tight, (" ".join([SENTENCE] * 6),), "time budget of 0.05 s", "/correct")
     assert client.predict(SENTENCE, api_name="/correct")["correction"]
+
+
+def test_callers_at_once_wait_for_one_step_cost_measurement(smollm2_fp32, monkeypatch):
+    """A server's first burst asks for the step cost from many threads: one engine measures it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specsuite.apps import limits
+    from specsuite.core import engine
+
+    made = []
+
+    class Counted(engine.BatchEngine):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            time.sleep(0.2)  # the others arrive while it measures
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "BatchEngine", Counted)
+    limits._step_cost.cache_clear()
+    with ThreadPoolExecutor(8) as pool:
+        costs = list(pool.map(lambda _: limits.step_cost(smollm2_fp32[0]), range(8)))
+    limits._step_cost.cache_clear()
+    assert len(made) == 1 and costs[0] is not None and all(c is costs[0] for c in costs)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specsuite import bench
+from specsuite.bench import cli as bench
 from specsuite.core.backend import choose_backend
 from specsuite.core.int8_linear import int8_runs
 
@@ -39,7 +39,7 @@ def test_gec_bench_compares_the_copy_drafter_with_hf_greedy(smollm2_fp32, jfleg,
 def test_jobs_bench_alternates_rounds_and_compares_with_the_best_hf_batch(smollm2_fp32, jfleg, monkeypatch):
     """`bench gec-batch`: every method but the reference runs once per round (in a rotated order),
     its time is the mean of its rounds, and the speedups are against the best HF batch size."""
-    from specsuite import bench_batch
+    from specsuite.bench import batch as bench_batch
 
     monkeypatch.setattr(bench_batch, "load_model", lambda name, dtype=None, adapter=None, task=None: smollm2_fp32)
     refs = [jfleg.with_name("dev.ref0")] if jfleg.with_name("dev.ref0").exists() else []
@@ -63,7 +63,7 @@ def test_jobs_bench_alternates_rounds_and_compares_with_the_best_hf_batch(smollm
 def test_rag_serve_bench_alternates_rounds_of_both_apps(smollm2_fp32, shared_data, monkeypatch):
     """`bench rag-serve`: both apps serve at once, each of the four runs (app x sequential or
     concurrent) once per round, figures the mean of their rounds; the answers equal one at a time's."""
-    from specsuite import bench_serve
+    from specsuite.bench import serve as bench_serve
 
     data = shared_data / "specbench/rag_dev.jsonl"
     if not data.exists():
@@ -97,7 +97,8 @@ def test_peers_bench_runs_our_engine_and_names_the_peers_it_lacks(smollm2_fp32, 
     """`bench peers` without installed peers: our one-at-a-time and batched runs on the same
     prompt ids, each compared token for token with the one-at-a-time (greedy) outputs; the
     missing peers are named with the command that sets them up."""
-    from specsuite import bench_peers, models
+    from specsuite import models
+    from specsuite.bench import peers as bench_peers
 
     monkeypatch.setattr(models, "load_model", lambda name, dtype=None, adapter=None, task=None: smollm2_fp32)
     monkeypatch.setattr(bench_peers, "ANCHORS_CACHE", tmp_path / "no-anchors")
@@ -118,7 +119,8 @@ def test_peers_bench_runs_our_engine_and_names_the_peers_it_lacks(smollm2_fp32, 
 @pytest.mark.skipif(not int8_runs(), reason="oneDNN's int8 kernel does not give exact sums on this CPU")
 def test_peers_bench_runs_our_engine_on_the_backend_asked(smollm2_fp32, jfleg, monkeypatch, tmp_path):
     """--backend int8: our runs in int8, the reference (every row's comparison) int8 greedy."""
-    from specsuite import bench_peers, models
+    from specsuite import models
+    from specsuite.bench import peers as bench_peers
 
     monkeypatch.setattr(models, "load_model", lambda name, dtype=None, adapter=None, task=None: smollm2_fp32)
     monkeypatch.setattr(bench_peers, "ANCHORS_CACHE", tmp_path / "no-anchors")
@@ -132,7 +134,7 @@ def test_peers_bench_runs_our_engine_on_the_backend_asked(smollm2_fp32, jfleg, m
 def test_peers_deciding_only_runs_each_peers_speculation_alone_and_its_plain_batches():
     """--deciding-only: one at a time, only the peers' speculation (their fastest there); in
     batches, only their plain pipelines; without it, every configuration in one call per peer."""
-    from specsuite.bench_peers import _peer_calls
+    from specsuite.bench.peers import _peer_calls
 
     assert _peer_calls([1, 32, 64], deciding_only=True) == [
         (["--parallel", "1", "--spec", "ngram-simple", "--no-baseline"], ["--batch", "1", "--prompt-lookup", "--no-baseline"]),

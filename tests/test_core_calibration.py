@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import model_for
 from specsuite.core import calibration
@@ -25,6 +26,21 @@ def test_step_cost_times_every_row_count_in_each_backend():
     assert all(set(c) == {1, 3, 6} and min(c.values()) > 0 for c in costs.values())
     assert vars(model).keys() == before.keys() and all(vars(model)[k] is v for k, v in before.items())
     assert len(format_costs(costs).splitlines()) == 4
+
+
+def test_step_bytes_count_the_weights_at_the_backends_size_and_the_kv_read():
+    from specsuite.step_cost import copy_bandwidth, format_bandwidth, step_bytes
+
+    model = model_for("qwen2")  # fp32
+    cfg = model.config
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert step_bytes(model, "plain", 10) == 4 * linear + 10 * kv
+    assert step_bytes(model, "int8", 0) == linear
+    roof = copy_bandwidth(megabytes=16, reps=2)
+    assert 1e8 < roof < 1e13  # between 0.1 and 10,000 GB/s
+    text = format_bandwidth(model, {"plain": {1: 0.001, 2: 0.002}}, 10, roof)
+    assert f"{step_bytes(model, 'plain', 10) / 1e6:.1f} MB" in text and f"{(4 * linear + 10 * kv) / 0.001 / 1e9:.1f} GB/s" in text
 
 
 class Machine:

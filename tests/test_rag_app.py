@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specsuite.apps.rag.bench_task import prefix_cache_ttft, rag_example_parts
+from specsuite.bench.rag_task import prefix_cache_ttft, rag_example_parts
 from specsuite.apps.rag.drafter import ReferenceDrafter
 from specsuite.apps.rag.prompt import rag_prompt_ids, rag_user_message
 from specsuite.apps.rag.evaluate import contains_reference, evaluate_rag, references

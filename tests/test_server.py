@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, serve_process
 from specsuite.apps import limits, openai_api as api
 from specsuite.apps.limits import InputError
 
@@ -134,13 +134,16 @@ def test_a_request_for_another_host_name_is_refused(server):
     assert httpx.get(url + "/v1/models", headers={"Host": "localhost"}, timeout=30).status_code == 200
 
 
-def test_the_light_routes_answer_at_once_while_every_place_waits_for_the_batch(server):
-    """As many requests as the server holds (its batch and queue: more than anyio's 40 worker
-    threads), each waiting for the batch in a thread: /v1/models and /health answer within 1 s
-    throughout."""
+def test_the_light_routes_answer_at_once_while_every_place_waits_for_the_batch(smollm2_fp32, tmp_path):
+    """120 concurrent clients, each holding a place of a server process made to hold them (batch 8,
+    queue 112: three times anyio's 40 worker threads), each waiting for the batch in a thread:
+    /v1/models and /health answer within 1 s throughout, and every client is answered. The server
+    has a process of its own: the 120 client threads would share its interpreter here."""
     import httpx
 
-    service, url = server
+    clients = 120
+    proc, url = serve_process(tmp_path / "serve.log", "--model", "smollm2-135m", "--dtype", "fp32", "--no-ui",
+                              "--batch-size", "8", "--max-queue", str(clients - 8))
 
     def ask(i: int) -> int:
         body = {"model": "specsuite-gec", "messages": [{"role": "user", "content": SENTENCES[i % len(SENTENCES)]}],
@@ -148,17 +151,21 @@ def test_the_light_routes_answer_at_once_while_every_place_waits_for_the_batch(s
         return httpx.post(url + "/v1/chat/completions", json=body, timeout=300).status_code
 
     latencies = []
-    with ThreadPoolExecutor(service.max_requests) as pool:
-        futures = [pool.submit(ask, i) for i in range(service.max_requests)]
-        time.sleep(1.0)  # all of them in
-        while not all(f.done() for f in futures):
-            for route in ("/v1/models", "/health"):
-                start = time.monotonic()
-                assert httpx.get(url + route, timeout=30).status_code == 200
-                latencies.append(time.monotonic() - start)
-            time.sleep(0.2)
-        codes = [f.result() for f in futures]
-    assert service.max_requests > 40 and codes == [200] * service.max_requests, codes
+    try:
+        with ThreadPoolExecutor(clients) as pool:
+            futures = [pool.submit(ask, i) for i in range(clients)]
+            time.sleep(1.0)  # all of them in
+            while not all(f.done() for f in futures):
+                for route in ("/v1/models", "/health"):
+                    start = time.monotonic()
+                    assert httpx.get(url + route, timeout=30).status_code == 200
+                    latencies.append(time.monotonic() - start)
+                time.sleep(0.2)
+            codes = [f.result() for f in futures]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert codes == [200] * clients, codes
     assert len(latencies) >= 4 and max(latencies) < 1.0, latencies
 
 
@@ -435,8 +442,8 @@ def test_callers_that_go_away_give_their_places_back(smollm2_fp32):
 
     try:
         with ThreadPoolExecutor(8) as pool:
-            list(pool.map(gone_before_the_reply, range(30)))
-            list(pool.map(gone_mid_stream, range(30)))
+            list(pool.map(gone_before_the_reply, range(100)))
+            list(pool.map(gone_mid_stream, range(100)))
         deadline = time.monotonic() + 60
         while service.held:
             assert time.monotonic() < deadline, f"{service.held} places never given back"
@@ -448,6 +455,30 @@ def test_callers_that_go_away_give_their_places_back(smollm2_fp32):
         assert all(r.choices[0].message.content for r in replies)
     finally:
         stop()
+
+
+def test_abusive_requests_are_refused_within_a_second_while_a_reply_streams(server, client):
+    """Each limit against the real server, while a normal request decodes: a 400 in OpenAI's shape
+    within 1 s, and the normal reply ends whole."""
+    import httpx
+
+    user = {"role": "user", "content": "He go."}
+    abusive = {"10 MB body": {"model": "specsuite-gec", "messages": [{"role": "user", "content": "x" * 10_000_000}]},
+               "10,000 messages": {"model": "specsuite-gec", "messages": [user] * 10_000},
+               "1,000 stop strings": {"model": "specsuite-gec", "messages": [user], "stop": ["x"] * 1_000},
+               "max_tokens past the cap": {"model": "smollm2-135m", "messages": [user],
+                                           "max_tokens": api.MAX_TOKENS_CAP + 1}}
+    stream = client.chat.completions.create(model="specsuite-gec", stream=True,
+                                            messages=[{"role": "user", "content": "\n".join(SENTENCES * 2)}])
+    first = next(iter(stream))
+    for what, body in abusive.items():
+        start = time.monotonic()
+        response = httpx.post(server[1] + "/v1/chat/completions", json=body, timeout=30)
+        took = time.monotonic() - start
+        assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error", what
+        assert took < 1.0, f"{what}: {took:.2f} s"
+    rest = [c for c in stream if c.choices]
+    assert first.choices and rest[-1].choices[0].finish_reason in ("stop", "length")
 
 
 def test_a_full_server_answers_429(smollm2_fp32):
@@ -463,6 +494,7 @@ def test_a_full_server_answers_429(smollm2_fp32):
         with pytest.raises(openai.RateLimitError) as e:
             client.chat.completions.create(model="specsuite-gec", messages=[{"role": "user", "content": "He go."}])
         assert e.value.status_code == 429 and "limit" in e.value.body["message"]
+        assert e.value.response.headers["retry-after"] == "1"
         assert "".join(c.choices[0].delta.content or "" for c in first if c.choices)  # the first one goes on
     finally:
         stop()
@@ -471,29 +503,13 @@ def test_a_full_server_answers_429(smollm2_fp32):
 def test_sigterm_lets_the_requests_in_flight_finish_then_exits(smollm2_fp32, tmp_path):
     """`specsuite serve` as its own process: a stream in flight when SIGTERM comes ends with its
     whole reply, then the process exits and the port is closed."""
-    import os
     import signal
-    import subprocess
-    import sys
 
     import httpx
 
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "specsuite.cli", "serve", "--model", "smollm2-135m", "--dtype", "fp32",
-                             "--adapter", "none", "--no-ui", "--port", str(port), "--drain-timeout", "60"],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_process(tmp_path / "serve.log", "--model", "smollm2-135m", "--dtype", "fp32", "--adapter", "none",
+                              "--no-ui", "--drain-timeout", "60")
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         stream = client.chat.completions.create(model="specsuite-gec", stream=True,
                                                 messages=[{"role": "user", "content": "\n".join(SENTENCES)}])
@@ -509,7 +525,6 @@ def test_sigterm_lets_the_requests_in_flight_finish_then_exits(smollm2_fp32, tmp
     finally:
         if proc.poll() is None:
             proc.kill()
-        log.close()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the batch thread's error, logged

@@ -8,6 +8,7 @@ decoding writes, only faster), and the corrections are put back into the text's 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -129,6 +130,7 @@ class Corrector:
         self.prefix_cache = instruction_cache(model, self.backend)
         self.instruction = instruction_ids(tokenizer, style)
         self._engine: BatchEngine | None = None  # made on the first batched call
+        self._engine_lock = threading.Lock()  # a server's first replies at once make it once
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -196,9 +198,11 @@ class Corrector:
         return decode_in_order(engine, texts, plan, finish, longest_first=2 * batch_size)
 
     def _batch_engine(self) -> BatchEngine:
-        if self._engine is None:
-            self._engine = BatchEngine(self.model, eos_token_id=self.eos, prefix=self.instruction, backend=self.backend)
-        return self._engine
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = BatchEngine(self.model, eos_token_id=self.eos, prefix=self.instruction,
+                                           backend=self.backend)
+            return self._engine
 
     def _request(self, text: str) -> Request:
         budget = self.max_new_tokens or 2 * self.count_tokens(text) + 16

@@ -10,8 +10,8 @@ from specsuite.core import Drafter, PrefixCache, eos_token_ids, generate
 from specsuite.core.backend import choose_backend
 from specsuite.retrieval.specbench import parse_specbench_rag
 
-from .drafter import ReferenceDrafter
-from .prompt import rag_prompt_ids
+from specsuite.apps.rag.drafter import ReferenceDrafter
+from specsuite.apps.rag.prompt import rag_prompt_ids
 
 # When the items give no other question to ask over the same passages.
 FOLLOW_UP = "Which of the passages is the most relevant to the question, and why?"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from specsuite.core.draft import FallbackDrafter
 from specsuite.core.chat import chat_prompt_ids
 from specsuite.adapters import describe_adapter
 from specsuite.models import DEFAULT_MODEL, load_model
-from specsuite import bench_serve_load
+from specsuite.bench import serve_load as bench_serve_load
+from specsuite.bench.rounds import rotated
 from specsuite.retrieval.cli import _positive_int
 
 
@@ -43,13 +45,6 @@ class Run:
     total_s: float
     ttft_s: float
     forwards: int  # target forward passes
-
-
-def rotated(items: list, by: int) -> list:
-    """`items` rotated left by `by`: the order of the methods in round (or prompt) `by`, so that
-    each method runs first, second, ... alike and a machine's drift falls on all of them."""
-    by %= len(items)
-    return items[by:] + items[:by]
 
 
 # ---- tasks: how each reads its data and which app drafters apply -------------------------------
@@ -74,7 +69,7 @@ def _summarize_examples(path: Path, n: int, tok, end: list[int]) -> list[Example
 
 
 def _rag_examples(path: Path, n: int, tok, end: list[int]) -> list[Example]:
-    from specsuite.apps.rag.bench_task import rag_example_parts
+    from specsuite.bench.rag_task import rag_example_parts
 
     out = []
     for item in _read_jsonl(path, n):
@@ -235,7 +230,7 @@ def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: in
     report["mismatches"] = {name: [i for i, (r, g) in enumerate(zip(runs[name], runs["hf_greedy"]))
                                    if r.tokens != g.tokens] for name in names}
     if task == "rag":  # a follow-up question over the same passages reuses their KV
-        from specsuite.apps.rag.bench_task import prefix_cache_ttft
+        from specsuite.bench.rag_task import prefix_cache_ttft
 
         report["prefix_cache"] = prefix_cache_ttft(model, tok, _read_jsonl(data, n), n=min(10, n))
     return report
@@ -296,16 +291,21 @@ def _run_cmd(args: argparse.Namespace) -> int:
     if args.task == "gec-batch":
         return _cmd_gec_batch(args, data)
     if args.task == "peers":
-        from specsuite.bench_peers import format_peers, run_peers
+        from specsuite.bench.peers import format_peers, run_peers
 
-        report = run_peers(args.model, data, args.n, args.max_new_tokens,
-                           sorted({int(p) for p in args.peer_parallel.split(",")}), Path(args.anchors), args.dtype,
+        if not args.anchors:
+            print("error: bench peers needs the peers' scripts: --anchors DIR or SPECSUITE_ANCHORS "
+                  "(e.g. ../shared/anchors; its README sets the peers up)", file=sys.stderr)
+            return 1
+
+        report = run_peers(args.model, data, args.n, Path(args.anchors), args.max_new_tokens,
+                           sorted({int(p) for p in args.peer_parallel.split(",")}), args.dtype,
                            args.rounds or 1, args.deciding_only, args.backend)
         return _show(args, report, format_peers(report),
                      f"peers · {args.model} · n={report['n']} · max_new_tokens={args.max_new_tokens} · "
                      f"{report['torch_threads']} threads · one engine at a time, {len(report['rounds'])} round(s)")
     if args.task == "rag-serve":
-        from specsuite.bench_serve import format_serve, run_rag_serve
+        from specsuite.bench.serve import format_serve, run_rag_serve
 
         report = run_rag_serve(args.model, data, args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                                rounds=args.rounds or 3)
@@ -345,7 +345,7 @@ def _show(args: argparse.Namespace, report: dict, table: str, title: str) -> int
 
 
 def _cmd_gec_batch(args: argparse.Namespace, data: Path) -> int:
-    from specsuite.bench_batch import format_batch_table, plot_batch, run_gec_batch
+    from specsuite.bench.batch import format_batch_table, plot_batch, run_gec_batch
 
     try:
         sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
@@ -372,9 +372,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark our drafters against HF generate() on one model and data set")
     p.add_argument("task", choices=sorted([*TASKS, "gec-batch", "peers", "rag-serve", "serve-load"]),
                    help="gec-batch: sentences/s of a file, the batched engine vs HF generate() on padded batches; "
-                   "peers: our GEC engine vs llama-server and OpenVINO GenAI where installed (specsuite/bench_peers.py); "
+                   "peers: our GEC engine vs llama-server and OpenVINO GenAI where installed (specsuite/bench/peers.py); "
                    "rag-serve: N concurrent calls of the RAG app's ask endpoint vs N sequential ones; "
-                   "serve-load: a web app under load from concurrent clients (specsuite/bench_serve_load.py)")
+                   "serve-load: a web app under load from concurrent clients (specsuite/bench/serve_load.py)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local model directory")
     p.add_argument("--data", help="(all but serve-load) gec: a text file, one sentence a line; rag/summarize: Spec-Bench jsonl")
     p.add_argument("--n", type=_positive_int, default=10, help="number of prompts (default 10)")
@@ -403,7 +403,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "our batch sizes = the peers' parallel slots (default 1,64)")
     p.add_argument("--deciding-only", action="store_true", help="peers: only each peer's configurations our ratios "
                    "are taken against (its speculation one at a time, its plain batches)")
-    p.add_argument("--anchors", default="../shared/anchors", help="peers: the folder of the peers' scripts")
+    p.add_argument("--anchors", default=os.environ.get("SPECSUITE_ANCHORS"),
+                   help="peers: the folder of the peers' scripts (default: $SPECSUITE_ANCHORS)")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a chart here (needs matplotlib): speedups; gec-batch: sentences/s by batch size")
     bench_serve_load.add_arguments(p)

@@ -31,7 +31,7 @@ from specsuite.apps.gec.corrector import DEFAULT_BATCH_SIZE, Corrector
 from specsuite.apps.gec.drafter import CopyDrafter
 from specsuite.apps.gec.gleu import corpus_gleu, read_tokenized, tokenize
 from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache, instruction_ids
-from specsuite.bench import rotated
+from specsuite.bench.rounds import rotated
 from specsuite.core import eos_token_ids, generate, turn_end_token
 from specsuite.core.engine import BatchEngine, Request
 from specsuite.core.backend import choose_backend

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specsuite.bench import rotated
+from specsuite.bench.rounds import rotated
 from specsuite.core.backend import choose_backend
 from specsuite.models import DEFAULT_EMBEDDING_MODEL, load_model
 

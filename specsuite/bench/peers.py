@@ -7,7 +7,7 @@ most `max_new_tokens` new tokens, 2 threads, one engine at a time:
   --exact` runs; its backend is named in the report: `exact-bf16` is token for token plain
   greedy decoding, tested against HF `generate()`), the reference every row is compared with;
 - `specsuite_batchB`: the batched engine with B sequences in flight (what `gec correct` runs);
-- the peers of `../shared/anchors/` where they are installed (its README sets them up): llama.cpp's
+- the peers of the anchors folder (`--anchors`, e.g. `../shared/anchors/`) where they are installed (its README sets them up): llama.cpp's
   `llama-server` (`llamacpp_npP`, with `_ngram-simple`: its n-gram speculation) with P parallel
   slots, and OpenVINO GenAI's continuous batching (`ov_...`, plain and with prompt lookup) with B
   requests in flight. Each runs through the anchors' own script, as a subprocess, on the same ids.
@@ -37,7 +37,7 @@ def _our_runs(model_name: str, sentences: list[str], max_new_tokens: int, batch_
     torch's threads."""
     import torch
 
-    from specsuite.bench_batch import WARMUP, GecRuns
+    from specsuite.bench.batch import WARMUP, GecRuns
     from specsuite.core.backend import choose_backend
     from specsuite.models import load_model
 
@@ -97,8 +97,8 @@ def _peer_calls(parallel: list[int], deciding_only: bool) -> list[tuple[list[str
     return calls + ([(["--parallel", batches], ["--batch", batches])] if batches else [])
 
 
-def run_peers(model_name: str, data: Path, n: int, max_new_tokens: int = 128, parallel: list[int] = (1, 64),
-              anchors: Path = Path("../shared/anchors"), dtype: str | None = None, rounds: int = 1,
+def run_peers(model_name: str, data: Path, n: int, anchors: Path, max_new_tokens: int = 128,
+              parallel: list[int] = (1, 64), dtype: str | None = None, rounds: int = 1,
               deciding_only: bool = False, backend: str = "auto") -> dict:
     """The report: for each round, every configuration's figures and its outputs' agreement with that
     round's `specsuite_one`, and our figures against each peer's of the same round.
@@ -108,7 +108,7 @@ def run_peers(model_name: str, data: Path, n: int, max_new_tokens: int = 128, pa
     between figures of one round. backend: our engine's (`core.backend.choose_backend` kind; with
     "int8" the reference is int8 greedy decoding, which every row is compared with)."""
     from specsuite.apps.gec import prompt
-    from specsuite.bench_batch import read_sentences
+    from specsuite.bench.batch import read_sentences
     from specsuite.models import resolve_model_path
 
     if rounds < 1:
