@@ -23,7 +23,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -101,8 +101,9 @@ class BatchServer:
         self.cost = engine.budget.cost if engine.budget is not None else step_cost(engine.model)
         self.steps, self.rows = float(PRIOR_STEPS), 1.0  # per request; per sequence and step
         self._queue: queue.Queue[tuple[Request, Future, Deadline]] = queue.Queue()
-        self._futures: list[Future] = []  # by request number
-        self._running: dict[int, _Running] = {}  # by request number (the engine thread's alone)
+        self._held: tuple[Request, Future, Deadline] | None = None  # the queue's head, until it keeps everyone in time
+        self._futures: dict[int, Future] = {}  # by engine request id (the engine thread's alone)
+        self._running: dict[int, _Running] = {}  # by engine request id (the engine thread's alone)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.failure: EngineFailure | None = None  # the last batch failure, until a request is answered again
@@ -125,47 +126,42 @@ class BatchServer:
                 self._thread = threading.Thread(target=self._serve, name="specsuite-batch", daemon=True)
                 self._thread.start()
 
-    def _requests(self) -> Iterator[Request | None]:
-        admitted = 0  # prompt tokens admitted in this step
-        held = None  # the head of the queue, waiting until it makes nobody late (its caller may still cancel it)
-        while True:
-            if admitted >= self.max_prompt_tokens:  # enough prefill for one step: the rest next step
-                admitted = 0
-                yield None
-                continue
-            if held is None:
-                idle = self.engine.in_flight == 0
+    def _admit(self) -> None:
+        """Move queued requests into the engine while it has free slots: at most
+        `max_prompt_tokens` of prompt a step (at least one request), each only once it keeps
+        everyone in time (until then it waits a step: sequences finish, the batch gets cheaper).
+        Blocks while nothing is decoding, freeing the KV cache after IDLE_SHRINK_S of that."""
+        engine, admitted = self.engine, 0
+        while admitted < self.max_prompt_tokens and engine.in_flight + len(engine.waiting) < engine.batch_size:
+            if self._held is None:
+                idle = not engine.has_unfinished_requests()
                 try:  # block only while nothing is decoding
-                    held = self._queue.get(block=idle, timeout=IDLE_SHRINK_S if idle else None)
+                    self._held = self._queue.get(block=idle, timeout=IDLE_SHRINK_S if idle else None)
                 except queue.Empty:
-                    if idle:  # nothing asked for a while: give the KV cache's memory back
-                        self.engine.store.shrink()
-                        continue
-                    admitted = 0
-                    yield None
+                    if not idle:
+                        return
+                    engine.store.shrink()  # nothing asked for a while: give the KV cache's memory back
                     continue
-            request, future, deadline = held
+            request, future, deadline = self._held
             if future.cancelled() or deadline.expired():
-                held = None
+                self._held = None
                 _fail(future, deadline.queued())
                 continue
             plan = self._plan(request)
             alone = plan.finish_alone()
             if alone is not None and deadline.remaining() is not None and alone > deadline.remaining():
-                held = None  # it could only time out, after taking others' time
+                self._held = None  # it could only time out, after taking others' time
                 _fail(future, deadline.queued(alone))
                 continue
             if not plan.keeps_everyone_in_time(deadline):
-                admitted = 0
-                yield None  # a step on: sequences finish, the batch gets cheaper
-                continue
-            held = None
+                return
+            self._held = None
             if not future.set_running_or_notify_cancel():
                 continue  # its caller gave up while it was queued
-            self._running[len(self._futures)] = _Running(deadline, plan.steps, self.engine.forward_passes)
-            self._futures.append(future)
+            request_id = engine.add_request(request)
+            self._running[request_id] = _Running(deadline, plan.steps, engine.forward_passes)
+            self._futures[request_id] = future
             admitted += len(request.prompt)
-            yield request
 
     def _plan(self, request: Request) -> _Plan:
         return _Plan(self.cost, request, self.steps, self.rows, list(self._running.values()),
@@ -179,28 +175,30 @@ class BatchServer:
             self.rows += LEARN_RATE * (1 + sum(s.drafted) / s.forward_passes - self.rows)
 
     def _serve(self) -> None:
+        """The engine thread: admit, step, hand each ended request to its caller; again."""
         try:
-            for index, result in self.engine.run(self._requests()):
-                future = self._futures[index]
-                self._futures[index] = None  # type: ignore[call-overload] - done: drop the reference
-                self._running.pop(index, None)
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    self._learn(result)
-                    self.failure = None  # answering again
-                    future.set_result(result)
+            self.engine.reset()  # a failed batch's sequences are gone
+            while True:
+                self._admit()
+                for request_id, result in self.engine.step():
+                    future = self._futures.pop(request_id)
+                    self._running.pop(request_id, None)
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        self._learn(result)
+                        self.failure = None  # answering again
+                        future.set_result(result)
         except BaseException as e:  # the batch itself failed: fail its callers, go on with the queued ones
             failure = EngineFailure(f"the model's batch failed ({type(e).__name__}: {e}); the requests in it were "
                                     "lost, the engine restarts with the next one; try again")
             with self._lock:
                 self._thread = None
                 self.failure = failure
-                waiting, self._futures = [f for f in self._futures if f is not None], []
-                self._running = {}
+                waiting, self._futures, self._running = list(self._futures.values()), {}, {}
             for future in waiting:
                 future.set_exception(failure)
-            if not self._queue.empty():
+            if self._held is not None or not self._queue.empty():
                 self._start()
             raise
 

@@ -15,6 +15,9 @@ model's own cache). One step (`run`):
    the accepted path's KV (`store.keep`, the one rollback `kv.keep_path`);
 5. retire finished sequences (`store.release`); their slots take the next requests.
 
+Driven by `add_request` / `step` / `abort` (a server's loop, `apps/serving.py`), or by `run`, a
+loop over `step` that feeds it from an iterable (the jobs, `generate()`).
+
 In the slots, greedy output equals each sequence's own greedy decoding up to the rounding of
 different row counts (a near-tie may flip, as in HF's batched `generate()`). Llama-family models
 (Llama, Qwen2) with full attention.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -69,7 +73,7 @@ class BatchEngine:
         self.context = context_length(model)
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.forward_passes = 0
-        self._in_flight = 0
+        self.reset()
         self.budget = DraftBudget(cost or self.measure_step_cost()) if draft_budget else None
 
     def measure_step_cost(self, rows: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), reps: int = 3,
@@ -77,94 +81,121 @@ class BatchEngine:
         """The slots' step cost (`calibration.slot_step_cost`)."""
         return slot_step_cost(self.store, self.batch_size, rows, reps, cache_dir)
 
-    # ---- decoding --------------------------------------------------------------------------
+    # ---- the steppable engine: add_request, step, abort ------------------------------------
 
-    def run(self, requests: Iterable[Request | None]) -> Iterator[tuple[int, Generation | Exception]]:
-        """Decode `requests` (read lazily, as slots free up); yields (request number, Generation)
-        as each sequence finishes, in finishing order. A request that fails (an empty prompt, a
-        drafter or `on_step` that raises) yields its exception instead; the others go on.
-        A None from `requests` means "nothing new now" (a live queue, see `BatchServer`): the
-        sequences in flight step on, and the next step asks again (with none in flight, the
-        source should block until it has a request)."""
-        source = iter(requests)
-        self._in_flight = 0  # one run at a time per engine; an abandoned run's slots are gone
-        slots: list[Sequence | None] = []
-        held: Request | None = None  # read, but over the KV budget: admitted once a slot frees
-        count = 0  # requests read
-        open_ = True
-        with torch.inference_mode():
-            while True:
-                # 1. admit
-                while (held is not None or open_) and self.in_flight < self.batch_size:
-                    if held is None:
-                        request = next(source, _END)
-                        if request is _END or request is None:
-                            open_ = request is None
-                            break
-                        held, count = request, count + 1
-                    try:
-                        admitted = self._admit(count - 1, held, slots)
-                    except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
-                        yield count - 1, e
-                        held = None
-                        continue
-                    if not admitted:  # over the KV budget: wait for a sequence to finish
-                        break
-                    held = None
-                active = [i for i, s in enumerate(slots) if s is not None]
-                if not active:
-                    if held is None and not open_:
-                        return
-                    continue
-                # 2. draft
-                drafts: list[Draft | None] = []
-                for i in active:
-                    try:
-                        drafts.append(slots[i].propose(self.vocab))
-                    except Exception as e:  # noqa: BLE001
-                        yield from self._retire(slots, i, e)
-                        drafts.append(None)
-                drafts = [d for i, d in zip(active, drafts) if slots[i] is not None]
-                active = [i for i in active if slots[i] is not None]
-                if not active:
-                    continue
-                live = [slots[i] for i in active]
-                if self.budget is not None and any(d is not None for d in drafts):
-                    cap = self.budget.cap(sum(len(s.fresh) for s in live), drafts, [self.budget.rate(s.accepted, s.offered) for s in live])
-                    drafts = [None if d is None or cap == 0 else d.limit_size(cap) for d in drafts]
-                # 3. one forward, 4. verify and commit
-                t0 = time.perf_counter()
-                logits = self.store.forward(live, drafts, active)
-                self.forward_passes += 1
-                sizes = [1 + (len(d) if d is not None else 0) for d in drafts]
-                best = top_two(logits)[0].tolist()  # every row's argmax in one call (greedy verification)
-                for i, seq, draft, rows, first in zip(active, live, drafts, logits.split(sizes),
-                                                      itertools.accumulate([0, *sizes])):
-                    try:
-                        base = seq.length + len(seq.fresh)  # the store's index of draft node 0
-                        prefill = seq.prefilling
-                        path = seq.settle(draft, rows, best[first: first + len(rows)], self.store.plain_steps,
-                                          time.perf_counter() - t0)
-                        self.store.keep(i, seq, base, path or [], prefill and path is not None)
-                    except Exception as e:  # noqa: BLE001 - e.g. on_step ended it (a time budget, a closed stream)
-                        yield from self._retire(slots, i, e)
-                        continue
-                    if seq.finish is not None:  # 5. retire
-                        yield from self._retire(slots, i, seq.result())
+    def add_request(self, request: Request) -> int:
+        """Queue `request` for the next step with a free slot; its id, by which `step` reports it."""
+        request_id = next(self._ids)
+        self.waiting.append((request_id, request))
+        return request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a waiting request, or end a decoding one now (its slot takes another at the next
+        step); it is never reported. False where the engine does not hold it (ended, or unknown)."""
+        for entry in self.waiting:
+            if entry[0] == request_id:
+                self.waiting.remove(entry)
+                return True
+        for i, seq in enumerate(self.slots):
+            if seq is not None and seq.index == request_id:
+                self._retire(i, None)
+                return True
+        return False
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting) or self.in_flight > 0
 
     @property
     def in_flight(self) -> int:
         """Sequences decoding now."""
         return self._in_flight
 
-    def _retire(self, slots: list[Sequence | None], i: int, result: Generation | Exception):
-        index = slots[i].index
-        slots[i] = None
+    def reset(self) -> None:
+        """Forget every request, waiting or decoding (a fresh engine, its KV store and counts kept)."""
+        self.slots, self.waiting, self._in_flight, self._ids = [], deque(), 0, itertools.count()
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, Generation | Exception]]:
+        """One step of the batch (the module docstring's 1-5). The requests that ended in it, as
+        (id, Generation), or (id, the exception that ended it: a bad prompt, a drafter or
+        `on_step` that raised); the others go on."""
+        ended = self._admit_waiting()
+        active = [i for i, s in enumerate(self.slots) if s is not None]
+        drafts: list[Draft | None] = []
+        for i in active:  # 2. draft
+            try:
+                drafts.append(self.slots[i].propose(self.vocab))
+            except Exception as e:  # noqa: BLE001
+                ended.append(self._retire(i, e))
+                drafts.append(None)
+        drafts = [d for i, d in zip(active, drafts) if self.slots[i] is not None]
+        active = [i for i in active if self.slots[i] is not None]
+        if not active:
+            return ended
+        live = [self.slots[i] for i in active]
+        if self.budget is not None and any(d is not None for d in drafts):
+            cap = self.budget.cap(sum(len(s.fresh) for s in live), drafts,
+                                  [self.budget.rate(s.accepted, s.offered) for s in live])
+            drafts = [None if d is None or cap == 0 else d.limit_size(cap) for d in drafts]
+        # 3. one forward, 4. verify and commit
+        t0 = time.perf_counter()
+        logits = self.store.forward(live, drafts, active)
+        self.forward_passes += 1
+        sizes = [1 + (len(d) if d is not None else 0) for d in drafts]
+        best = top_two(logits)[0].tolist()  # every row's argmax in one call (greedy verification)
+        for i, seq, draft, rows, first in zip(active, live, drafts, logits.split(sizes),
+                                              itertools.accumulate([0, *sizes])):
+            try:
+                base = seq.length + len(seq.fresh)  # the store's index of draft node 0
+                prefill = seq.prefilling
+                path = seq.settle(draft, rows, best[first: first + len(rows)], self.store.plain_steps,
+                                  time.perf_counter() - t0)
+                self.store.keep(i, seq, base, path or [], prefill and path is not None)
+            except Exception as e:  # noqa: BLE001 - e.g. on_step ended it (a time budget, a closed stream)
+                ended.append(self._retire(i, e))
+                continue
+            if seq.finish is not None:  # 5. retire
+                ended.append(self._retire(i, seq.result()))
+        return ended
+
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[int, Generation | Exception]]:
+        """Decode `requests` (read lazily, as slots free up) from a fresh engine; yields (request
+        number, Generation or Exception, as `step`) as each sequence ends, in ending order."""
+        self.reset()
+        source = iter(requests)
+        while True:
+            while self.in_flight + len(self.waiting) < self.batch_size:
+                if (request := next(source, None)) is None:
+                    break
+                self.add_request(request)
+            if not self.has_unfinished_requests():
+                return
+            yield from self.step()
+
+    # ---- admission and retirement ----------------------------------------------------------
+
+    def _admit_waiting(self) -> list[tuple[int, Exception]]:
+        """1. admit: waiting requests into free slots, in order, while the store has room (a request
+        over the KV budget waits, and those behind it, until a sequence ends). The refused ones."""
+        refused = []
+        while self.waiting and self.in_flight < self.batch_size:
+            request_id, request = self.waiting[0]
+            try:
+                if not self._admit(request_id, request):
+                    break
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
+                refused.append((request_id, e))
+            self.waiting.popleft()
+        return refused
+
+    def _retire(self, i: int, result: Generation | Exception | None) -> tuple[int, Generation | Exception | None]:
+        request_id = self.slots[i].index
+        self.slots[i] = None
         self.store.release(i)
         self._in_flight -= 1
-        yield index, result
+        return request_id, result
 
-    def _admit(self, index: int, request: Request, slots: list[Sequence | None]) -> bool:
+    def _admit(self, request_id: int, request: Request) -> bool:
         """Put `request` into a free slot; False where the store has no room for it now."""
         prompt = list(request.prompt)
         if not prompt:
@@ -173,6 +204,7 @@ class BatchEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         if len(prompt) >= self.context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.context}")
+        slots = self.slots
         if not self.in_flight:
             slots.clear()  # an empty batch: its slots are made anew, sized by what comes in
         free = next((i for i, s in enumerate(slots) if s is None), len(slots))
@@ -180,7 +212,7 @@ class BatchEngine:
                                   slots=len(slots), in_flight=self.in_flight, batch_size=self.batch_size)
         if cached is None:
             return False
-        seq = Sequence(index, request, self.eos, self.context, cached, self.store.name)
+        seq = Sequence(request_id, request, self.eos, self.context, cached, self.store.name)
         if free == len(slots):
             slots.append(seq)
         else:
@@ -188,8 +220,6 @@ class BatchEngine:
         self._in_flight += 1
         return True
 
-
-_END = object()
 
 
 def generate_many(model, requests: list[Request], batch_size: int = 16, **options) -> list[Generation]:

@@ -18,7 +18,6 @@ Other architectures, and eager attention, take `model(...)` (`supports`).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,8 +43,18 @@ def supports(model) -> bool:
             and config._attn_implementation == "sdpa"
             and all(hasattr(model.model.layers[0].mlp, f) for f in ("gate_proj", "up_proj", "down_proj", "act_fn"))
             and rope.get("rope_type", "default") == "default"
-            and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ())
-            and hasattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb"))
+            and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ()))
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of q and k (batch, heads, rows, dim), by the same operations in the
+    same order as the Llama and Qwen2 modeling code, so bit for bit the same."""
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
 # attend(layer index, attention module, q, k, v) -> the attention's output (1, rows, heads * dim)
@@ -60,7 +69,6 @@ def _layers(model, ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend
     """The decoder's layers over ids (1, T), their linear layers in `plan`'s form (None: the
     model's own): the hidden states before the final norm (1, T, dim)."""
     body = model.model
-    rotate = sys.modules[type(model).__module__].apply_rotary_pos_emb
     x = body.embed_tokens(ids)
     cos, sin = body.rotary_emb(x, position_ids)
     for i, layer in enumerate(body.layers[: model.config.num_hidden_layers]):
@@ -70,7 +78,7 @@ def _layers(model, ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend
         q = _project(plan, attn.q_proj, h).view(shape).transpose(1, 2)
         k = _project(plan, attn.k_proj, h).view(shape).transpose(1, 2)
         v = _project(plan, attn.v_proj, h).view(shape).transpose(1, 2)
-        q, k = rotate(q, k, cos, sin)
+        q, k = rotary(q, k, cos, sin)
         x = x + _project(plan, attn.o_proj, attend(i, attn, q, k, v))
         h, mlp = layer.post_attention_layernorm(x), layer.mlp  # the MLP as the modeling code computes it
         x = x + _project(plan, mlp.down_proj, mlp.act_fn(_project(plan, mlp.gate_proj, h)) * _project(plan, mlp.up_proj, h))

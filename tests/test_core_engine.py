@@ -43,6 +43,30 @@ def generate_many_with(engine: BatchEngine, requests: list[Request]):
     return [results[i] for i in range(len(requests))]
 
 
+def test_stepping_by_hand_adds_aborts_and_equals_greedy():
+    """add_request / step / abort: requests added between steps join the batch, an aborted one
+    (waiting or decoding) is never reported and frees its slot, the others decode as greedy."""
+    model = model_for("qwen2")
+    ps = prompts(6, seed=11, lengths=(2, 20))
+    truths = [hf_greedy(model, p, 10) for p in ps]
+    engine = BatchEngine(model, 2, eos_token_id=[], cost=FLAT)
+    ids = [engine.add_request(Request(p, PromptLookupDrafter(), max_new_tokens=10)) for p in ps[:4]]
+    assert engine.abort(ids[3])  # still waiting
+    ended = dict(engine.step())
+    assert ended == {} and engine.in_flight == 2 and len(engine.waiting) == 1
+    assert engine.abort(ids[1])  # decoding: its slot takes the waiting request at the next step
+    assert not engine.abort(ids[1]) and not engine.abort(99)
+    late = None
+    while engine.has_unfinished_requests():
+        for request_id, result in engine.step():
+            ended[request_id] = result
+        if late is None:
+            late = engine.add_request(Request(ps[4], max_new_tokens=10))  # joins mid-flight
+    assert set(ended) == {ids[0], ids[2], late}
+    assert [ended[i].tokens for i in (ids[0], ids[2], late)] == [truths[0], truths[2], truths[4]]
+    assert engine.step() == []  # nothing left: a step does nothing
+
+
 def test_prompt_lookup_and_no_drafter_in_one_batch():
     model = model_for("llama")
     ps = prompts(8, seed=3)
