@@ -11,8 +11,8 @@ import heapq
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from specsuite.core.engine import BatchEngine, Request
-from specsuite.core.sequence import Generation
+from specsuite.core.scheduler.engine import BatchEngine, Request
+from specsuite.core.scheduler.sequence import Generation
 
 Item, State, Result = TypeVar("Item"), TypeVar("State"), TypeVar("Result")
 

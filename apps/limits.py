@@ -111,7 +111,7 @@ def step_cost(model) -> Callable[[int], float] | None:
 
 @functools.lru_cache(maxsize=8)
 def _step_cost(model) -> Callable[[int], float] | None:
-    from specsuite.core.engine import BatchEngine, engine_supports
+    from specsuite.core.scheduler.engine import BatchEngine, engine_supports
 
     if not engine_supports(model):
         return None

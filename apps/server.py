@@ -42,9 +42,9 @@ from specsuite.apps.rag.qa import RagQA
 from specsuite.apps.metrics import Metrics
 from specsuite.apps.serving import BatchServer, wait
 from specsuite.core import Generation, PromptLookupDrafter, Sampling
-from specsuite.core.engine import BatchEngine, Request
-from specsuite.core.generate import context_length
-from specsuite.core.streaming import StreamClosed
+from specsuite.core.scheduler.engine import BatchEngine, Request
+from specsuite.core.scheduler.generate import context_length
+from specsuite.core.scheduler.streaming import StreamClosed
 from specsuite import models
 
 DEFAULT_BATCH_SIZE = 16

@@ -28,8 +28,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from specsuite.apps.limits import Deadline, TimeBudgetExceeded, step_cost
-from specsuite.core.engine import BatchEngine, Request
-from specsuite.core.sequence import Generation
+from specsuite.core.scheduler.engine import BatchEngine, Request
+from specsuite.core.scheduler.sequence import Generation
 
 MAX_PROMPT_TOKENS_PER_STEP = 1024
 # Engine steps a request is assumed to take until one has finished here: a short answer (the

@@ -1,15 +1,23 @@
-"""The shared speculative core: draft-then-verify decoding, drafters, model provisioning."""
+"""The shared speculative core: draft-then-verify decoding, drafters, model provisioning.
 
-from .draft import AdaptiveLength, Draft, Drafter, FallbackDrafter, NoDrafter
-from .draft_model import DraftModelDrafter
-from .generate import Generation, GenerationStats, eos_token_ids, generate, turn_end_token
-from .prefix_cache import PrefixCache
-from .streaming import TextAssembler, TextPiece, stream
-from .prompt_lookup import NgramIndex, PromptLookupDrafter
-from .verify import Sampling, verify_greedy, verify_sample
+Subpackages (docs/architecture-core.md): `scheduler` (the loop, sequences, KV stores), `model`
+(the forward, the backend, step timings), `kernels` (projection and attention forms) and
+`speculation` (drafts, drafters, verification). The names a user needs are here."""
+
+from .model.backend import choose_backend
+from .scheduler.chat import chat_prompt_ids
+from .scheduler.engine import BatchEngine, Request
+from .scheduler.generate import Generation, GenerationStats, eos_token_ids, generate, turn_end_token
+from .scheduler.prefix_cache import PrefixCache
+from .scheduler.streaming import TextAssembler, TextPiece, stream
+from .speculation.draft import AdaptiveLength, Draft, Drafter, FallbackDrafter, NoDrafter
+from .speculation.draft_model import DraftModelDrafter
+from .speculation.prompt_lookup import NgramIndex, PromptLookupDrafter
+from .speculation.verify import Sampling, verify_greedy, verify_sample
 
 __all__ = [
-    "AdaptiveLength", "Draft", "Drafter", "FallbackDrafter", "NoDrafter", "DraftModelDrafter", "Generation",
-    "GenerationStats", "eos_token_ids", "generate", "NgramIndex", "PromptLookupDrafter", "PrefixCache", "Sampling", "TextAssembler",
-    "TextPiece", "stream", "turn_end_token", "verify_greedy", "verify_sample",
+    "AdaptiveLength", "BatchEngine", "Draft", "Drafter", "FallbackDrafter", "NoDrafter", "DraftModelDrafter",
+    "Generation", "GenerationStats", "NgramIndex", "PrefixCache", "PromptLookupDrafter", "Request", "Sampling",
+    "TextAssembler", "TextPiece", "chat_prompt_ids", "choose_backend", "eos_token_ids", "generate", "stream",
+    "turn_end_token", "verify_greedy", "verify_sample",
 ]

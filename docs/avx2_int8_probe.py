@@ -18,7 +18,7 @@ def timed(call, reps=30):
 def onednn(x, zero, packed, out):
     """oneDNN's int8 linear: the exact int32 sums of (x - zero) and the int8 weight, as fp32."""
     ones, zeros = torch.ones(out), torch.zeros(out, dtype=torch.long)
-    if x.shape[0] < 4:  # as core/int8_linear.py: short calls zero-padded
+    if x.shape[0] < 4:  # as core/kernels/int8_linear.py: short calls zero-padded
         x = torch.cat([x, x.new_full((4 - x.shape[0], x.shape[1]), zero)])
     return torch.ops.onednn.qlinear_pointwise(x, 1.0, zero, packed, ones, zeros, None, 1.0, 0, torch.float32,
                                               "none", [], "")

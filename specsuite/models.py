@@ -276,7 +276,7 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float3
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype | None = None,
                device: str | None = None, adapter: str | os.PathLike | None = None, task: str | None = None):
     """Load (model, tokenizer) for a preset or local directory, in eval mode, with sdpa attention
-    (what core/forward.py computes). How its forwards are computed is chosen apart, once, by
+    (what core/model/forward.py computes). How its forwards are computed is chosen apart, once, by
     `core.backend.choose_backend(model)`, and passed to `generate()` and the engine.
 
     adapter: None for the model as it is; "auto" for the adapter shipped for `task` on this preset

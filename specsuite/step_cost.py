@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from specsuite.core.backend import EXACT_BF16, FP32_CPU, choose_backend, plain_backend, plain_forms
-from specsuite.core.calibration import measure_forward_costs
-from specsuite.core.draft_budget import costs_dir, forget_costs
-from specsuite.core.int8_linear import int8_runs
-from specsuite.core import forward as llama
+from specsuite.core.model.backend import EXACT_BF16, FP32_CPU, choose_backend, plain_backend, plain_forms
+from specsuite.core.model.calibration import measure_forward_costs
+from specsuite.core.speculation.draft_budget import costs_dir, forget_costs
+from specsuite.core.kernels.int8_linear import int8_runs
+from specsuite.core.model import forward as llama
 from specsuite.models import DEFAULT_MODEL, load_model
 
 

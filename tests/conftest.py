@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from specsuite.core import Draft, Drafter, kv
+from specsuite.core import Draft, Drafter
+
+from specsuite.core.scheduler import kv
 
 MARKED_FIXTURES = {"smollm2": "real_model", "smollm2_fp32": "real_model", "browser_page": "browser"}
 

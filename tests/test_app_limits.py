@@ -111,8 +111,8 @@ def test_closing_a_stream_ends_its_generation(smollm2):
     import functools
 
     from specsuite.core import generate, stream
-    from specsuite.core.chat import chat_prompt_ids
-    from specsuite.core.streaming import StreamClosed
+    from specsuite.core.scheduler.chat import chat_prompt_ids
+    from specsuite.core.scheduler.streaming import StreamClosed
 
     model, tok = smollm2
     ended = threading.Event()
@@ -284,7 +284,7 @@ def test_callers_at_once_wait_for_one_step_cost_measurement(smollm2_fp32, monkey
     from concurrent.futures import ThreadPoolExecutor
 
     from specsuite.apps import limits
-    from specsuite.core import engine
+    from specsuite.core.scheduler import engine
 
     made = []
 

@@ -3,8 +3,8 @@
 import pytest
 
 from specsuite.bench import cli as bench
-from specsuite.core.backend import choose_backend
-from specsuite.core.int8_linear import int8_runs
+from specsuite.core.model.backend import choose_backend
+from specsuite.core.kernels.int8_linear import int8_runs
 
 pytestmark = pytest.mark.real_model
 

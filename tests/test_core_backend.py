@@ -1,4 +1,4 @@
-"""One backend per model: how its forwards are computed and the policy that follows (core/backend.py).
+"""One backend per model: how its forwards are computed and the policy that follows (core/model/backend.py).
 
 Every kind is exercised explicitly on tiny models (so every CPU runs every path it can), and the
 choice of "auto" in bf16 is checked against cost files written here, not against this CPU's speed.
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from specsuite.core import PromptLookupDrafter, generate
-from specsuite.core.backend import (
+from specsuite.core.model.backend import (
     AFFORDABILITY_ROWS, EXACT_BF16, EXACT_VS_PLAIN, FP32_CPU, PLAIN, choose_backend, exact_is_affordable,
     fp32_forms,
 )
-from specsuite.core.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, packed_bf16_runs, packed_rows
-from specsuite.core.draft_budget import StepCost, cost_file
-from specsuite.core.engine import BatchEngine, Request
+from specsuite.core.kernels.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, packed_bf16_runs, packed_rows
+from specsuite.core.speculation.draft_budget import StepCost, cost_file
+from specsuite.core.scheduler.engine import BatchEngine, Request
 from conftest import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
 

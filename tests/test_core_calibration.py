@@ -1,4 +1,4 @@
-"""The one timing loop (core/calibration.py) and `specsuite step-cost` over it."""
+"""The one timing loop (core/model/calibration.py) and `specsuite step-cost` over it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import model_for
-from specsuite.core import calibration
-from specsuite.core.calibration import calibrated, timed_seconds, timing_problem
-from specsuite.core.draft_budget import StepCost
-from specsuite.core.int8_linear import int8_runs
+from specsuite.core.model import calibration
+from specsuite.core.model.calibration import calibrated, timed_seconds, timing_problem
+from specsuite.core.speculation.draft_budget import StepCost
+from specsuite.core.kernels.int8_linear import int8_runs
 
 
 def test_step_cost_times_every_row_count_in_each_backend():
@@ -125,7 +125,7 @@ def test_a_kept_curve_that_cannot_be_right_is_not_read():
 
 
 def test_recalibrate_forgets_the_kept_curves_under_the_cache_the_user_set(tmp_path, monkeypatch):
-    from specsuite.core.draft_budget import cost_file, forget_costs
+    from specsuite.core.speculation.draft_budget import cost_file, forget_costs
 
     monkeypatch.setenv("SPECSUITE_CACHE", str(tmp_path))
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)

@@ -1,4 +1,4 @@
-"""The draft tree (core/draft.py): structure, depth and size limits, the size ladder."""
+"""The draft tree (core/speculation/draft.py): structure, depth and size limits, the size ladder."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specsuite.core import Draft
-from specsuite.core.draft import SizeLadder
+from specsuite.core.speculation.draft import SizeLadder
 
 
 def test_draft_chain_and_depths():

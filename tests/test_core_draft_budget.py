@@ -1,13 +1,13 @@
-"""Draft caps from measured step costs (core/draft_budget.py): `GoodputCap` for one sequence."""
+"""Draft caps from measured step costs (core/speculation/draft_budget.py): `GoodputCap` for one sequence."""
 
 from __future__ import annotations
 
 import torch
 
 from specsuite.core import generate
-from specsuite.core.backend import choose_backend
-from specsuite.core.draft_budget import DraftBudget, GoodputCap, StepCost
-from specsuite.core.exact_linear import FP32_ROW_BUCKETS
+from specsuite.core.model.backend import choose_backend
+from specsuite.core.speculation.draft_budget import DraftBudget, GoodputCap, StepCost
+from specsuite.core.kernels.exact_linear import FP32_ROW_BUCKETS
 from conftest import tiny_model, model_for, hf_greedy, prompts, OracleTreeDrafter
 
 
@@ -54,7 +54,7 @@ def test_goodput_cap_follows_the_step_cost_and_the_acceptance_seen():
 def test_step_costs_are_kept_under_the_cache_the_user_set(monkeypatch, tmp_path):
     from conftest import model_for
 
-    from specsuite.core.draft_budget import cost_file
+    from specsuite.core.speculation.draft_budget import cost_file
     from specsuite.models import cache_dir
 
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)

@@ -1,4 +1,4 @@
-"""The batched engine (core/engine.py) on tiny random models in fp32: every sequence of a batch
+"""The batched engine (core/scheduler/engine.py) on tiny random models in fp32: every sequence of a batch
 decodes token for token as its own greedy decoding, whatever its neighbours do (ragged prompts,
 sequences ending mid-batch, slots refilled, tree drafts, EOS inside an accepted draft, a shared
 prefix, a KV budget that makes requests wait); speculative sampling keeps its distribution."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specsuite.core import Draft, PromptLookupDrafter, Sampling
-from specsuite.core.draft_budget import DraftBudget, StepCost
-from specsuite.core.engine import BatchEngine, Request, engine_supports, generate_many
+from specsuite.core.speculation.draft_budget import DraftBudget, StepCost
+from specsuite.core.scheduler.engine import BatchEngine, Request, engine_supports, generate_many
 from conftest import OracleTreeDrafter, hf_greedy, model_for, prompts
 
 FLAT = StepCost({1: 1.0, 512: 1.0})  # rows cost nothing: every draft is verified whole

@@ -1,4 +1,4 @@
-"""The exact attention (core/exact_attention.py): draft rows and a block after a cached prefix round
+"""The exact attention (core/kernels/exact_attention.py): draft rows and a block after a cached prefix round
 as plain decoding computes them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def test_grouped_draft_rows_round_like_one_row_decode_steps_in_bf16():
     call of a decode step. Qwen2.5-0.5B's attention shapes; chains (prefixes) and trees (gathered keys).
     The grouping rule is torch 2.13's AMX kernel's; where the self-check finds that this machine's
     kernel rounds otherwise (seen on an AVX2-only CPU), rows run one per call, and that must hold too."""
-    from specsuite.core.exact_attention import _grouping_is_exact, _groups, _one_row_calls
+    from specsuite.core.kernels.exact_attention import _grouping_is_exact, _groups, _one_row_calls
 
     grouped = _grouping_is_exact(14, 2, 64)
     gen = torch.Generator().manual_seed(0)
@@ -49,7 +49,7 @@ def test_block_after_a_cached_prefix_rounds_like_the_whole_prompts_prefill(dtype
     Qwen2.5-0.5B's attention shapes, random prompt lengths and numbers of new rows."""
     import types
 
-    from specsuite.core.exact_attention import _prefill_block
+    from specsuite.core.kernels.exact_attention import _prefill_block
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     module = types.SimpleNamespace(is_causal=True, training=False, num_key_value_groups=7)

@@ -1,4 +1,4 @@
-"""The exact linear forms (core/exact_linear.py): draft rows round as one-row decode steps in bf16;
+"""The exact linear forms (core/kernels/exact_linear.py): draft rows round as one-row decode steps in bf16;
 the fp32 kernel forms. CPU-specific checks are visible skips."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from specsuite.core import generate
-from specsuite.core import exact_linear
-from specsuite.core.backend import EXACT_BF16, FP32_CPU, MIN_SHORT_CALL_ROWS, choose_backend
+from specsuite.core.kernels import exact_linear
+from specsuite.core.model.backend import EXACT_BF16, FP32_CPU, MIN_SHORT_CALL_ROWS, choose_backend
 from conftest import QWEN_LINEARS, hf_greedy, prompts, OracleTreeDrafter
 
 

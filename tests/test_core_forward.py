@@ -1,4 +1,4 @@
-"""The Llama forward (core/forward.py): bit for bit the model's own forward."""
+"""The Llama forward (core/model/forward.py): bit for bit the model's own forward."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from specsuite.core import Draft
-from specsuite.core import forward as llama
-from specsuite.core.backend import plain_backend
+from specsuite.core.model import forward as llama
+from specsuite.core.model.backend import plain_backend
 from conftest import tiny_model
 
 

@@ -1,7 +1,7 @@
 """The draft-then-verify loop is exactly greedy decoding, whatever the drafter proposes.
 
 Tiny randomly initialised models (built from a config, seeded) stand in for real ones: every test
-compares `specsuite.core.generate` token for token with Hugging Face's own `model.generate(do_sample=False)`.
+compares `specsuite.core.scheduler.generate` token for token with Hugging Face's own `model.generate(do_sample=False)`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specsuite.core import Draft, DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter, generate
-from specsuite.core.backend import EXACT_BF16, choose_backend
+from specsuite.core.model.backend import EXACT_BF16, choose_backend
 from conftest import VOCAB, tiny_model, model_for, hf_greedy, prompts, OracleTreeDrafter
 
 
@@ -81,7 +81,7 @@ def test_draft_model_equals_hf_greedy(kind):
 def test_fallback_drafter_drafts_with_the_model_only_where_the_input_has_nothing():
     """Prompt lookup first, the draft model where it finds no match: greedy's output, and the draft
     model runs on fewer steps than it would alone."""
-    from specsuite.core.draft import FallbackDrafter
+    from specsuite.core.speculation.draft import FallbackDrafter
 
     target, small = model_for("llama", seed=0), model_for("llama", seed=0)  # the target drafts for itself
     for i, p in enumerate(prompts(6, seed=9, lengths=(10, 40))):

@@ -1,4 +1,4 @@
-"""The int8 linear layers (core/int8_linear.py) and the `int8` backend: every row of a call of any
+"""The int8 linear layers (core/kernels/int8_linear.py) and the `int8` backend: every row of a call of any
 row count comes out bit for bit as its one-row call; `generate()` and the batched engine are token
 for token the backend's own one-token greedy decoding. Where oneDNN's int8 kernel does not sum
 exactly (no avx512_vnni/AMX) the backend is refused, and these are visible skips."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from specsuite.core import generate
-from specsuite.core.backend import choose_backend
-from specsuite.core.draft_budget import StepCost
-from specsuite.core.engine import BatchEngine, Request
-from specsuite.core.int8_linear import Int8Weights, int8_rows, int8_runs, quantize_rows
+from specsuite.core.model.backend import choose_backend
+from specsuite.core.speculation.draft_budget import StepCost
+from specsuite.core.scheduler.engine import BatchEngine, Request
+from specsuite.core.kernels.int8_linear import Int8Weights, int8_rows, int8_runs, quantize_rows
 from conftest import QWEN_LINEARS, OracleTreeDrafter, prompts, tiny_model
 
 needs_int8 = pytest.mark.skipif(not int8_runs(), reason="oneDNN's int8 kernel does not give exact sums on this CPU")
@@ -91,6 +91,6 @@ def test_int8_generate_and_engine_are_int8_greedy_token_for_token(kind, dtype):
 
 
 def test_int8_is_refused_where_it_cannot_run_as_stated():
-    model = tiny_model("llama", attn="eager")  # not a forward of core/forward.py
+    model = tiny_model("llama", attn="eager")  # not a forward of core/model/forward.py
     with pytest.raises(ValueError, match="int8 backend needs"):
         choose_backend(model, "int8")

@@ -1,14 +1,14 @@
-"""The KV stores (core/kv.py): the one rollback `keep_path`, and each store's keep after a step."""
+"""The KV stores (core/scheduler/kv.py): the one rollback `keep_path`, and each store's keep after a step."""
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
 
-from specsuite.core.backend import choose_backend
-from specsuite.core.draft import Draft
-from specsuite.core.kv import CacheStore, keep_path
-from specsuite.core.sequence import Request, Sequence
+from specsuite.core.model.backend import choose_backend
+from specsuite.core.speculation.draft import Draft
+from specsuite.core.scheduler.kv import CacheStore, keep_path
+from specsuite.core.scheduler.sequence import Request, Sequence
 from conftest import model_for, prompts
 
 

@@ -19,8 +19,8 @@ from specsuite.core import (
     DraftModelDrafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece, eos_token_ids, generate,
     stream,
 )
-from specsuite.core.chat import chat_prompt_ids
-from specsuite.core.backend import choose_backend
+from specsuite.core.scheduler.chat import chat_prompt_ids
+from specsuite.core.model.backend import choose_backend
 
 pytestmark = pytest.mark.real_model
 
@@ -122,7 +122,7 @@ def test_stop_strings_cut_where_hf_cuts(lm, cases):
 def test_the_batched_engine_cuts_at_stop_strings_as_generate_does(smollm2_fp32):
     """Stop strings per request in one batch (fp32: a batch's rows round within the tie margin
     of one-row steps here, so each output is generate()'s)."""
-    from specsuite.core.engine import BatchEngine, Request
+    from specsuite.core.scheduler.engine import BatchEngine, Request
 
     model, tok = smollm2_fp32
     eos = sorted(eos_token_ids(model, tok))
@@ -191,7 +191,7 @@ def test_prefix_cache_reuses_the_prompt_and_keeps_the_output(smollm2_fp32):
 def test_exact_linear_rounds_real_activations_as_one_row_calls_in_bf16(smollm2_fp32):
     """Every linear layer's inputs on a real text (a hook), 1..70 rows at a time: `one_row_rounding`
     gives each row bit for bit as its own one-row call, the call of a decode step."""
-    from specsuite.core.exact_linear import one_row_rounding
+    from specsuite.core.kernels.exact_linear import one_row_rounding
 
     model = copy.deepcopy(smollm2_fp32[0]).to(torch.bfloat16)
     tok = smollm2_fp32[1]
@@ -222,7 +222,7 @@ def test_exact_linear_rounds_real_activations_as_one_row_calls_in_bf16(smollm2_f
 def test_a_stop_string_is_searched_in_the_new_tail_only_and_found_across_its_start(smollm2):
     """Each step decodes only the output's tail (`_first_stop`): a stop string that began in
     tokens searched before and ends in the new ones is found, at the shortest prefix."""
-    from specsuite.core.sequence import _first_stop
+    from specsuite.core.scheduler.sequence import _first_stop
 
     tok = smollm2[1]
     ids = tok("one two three four " * 40 + "the end of it")["input_ids"]

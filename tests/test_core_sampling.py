@@ -28,9 +28,9 @@ from transformers import (
 )
 
 from specsuite.core import Draft, DraftModelDrafter, Drafter, Sampling, generate
-from specsuite.core.verify import verify_sample, warp
+from specsuite.core.speculation.verify import verify_sample, warp
 
-steps_mod = importlib.import_module("specsuite.core.sequence")  # where the loop verifies each step
+steps_mod = importlib.import_module("specsuite.core.scheduler.sequence")  # where the loop verifies each step
 
 V = 8
 PROMPT = [3, 1, 4, 1, 5, 2, 6, 5]

@@ -1,4 +1,4 @@
-"""Verification (core/verify.py) on hand-made logits: the tree attention mask, greedy verification, `top_two`."""
+"""Verification (core/speculation/verify.py) on hand-made logits: the tree attention mask, greedy verification, `top_two`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specsuite.core import Draft
-from specsuite.core.verify import tree_attention_mask, verify_greedy
+from specsuite.core.speculation.verify import tree_attention_mask, verify_greedy
 
 
 def _rows(mask):
@@ -103,7 +103,7 @@ def test_verify_greedy_tie_margin_in_a_tree():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [96, 1024, 151936])
 def test_top_two_equals_argmax_and_topk_with_ties(dtype, vocab):
-    from specsuite.core.verify import top_two
+    from specsuite.core.speculation.verify import top_two
 
     gen = torch.Generator().manual_seed(vocab)
     for trial in range(30):

@@ -11,8 +11,8 @@ from specsuite.apps.gec.corrector import Correction, Corrector
 from specsuite.apps.gec.drafter import CopyDrafter
 from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache
 from specsuite.cli import main as specsuite_main
-from specsuite.core.backend import choose_backend
-from specsuite.core.int8_linear import int8_runs
+from specsuite.core.model.backend import choose_backend
+from specsuite.core.kernels.int8_linear import int8_runs
 from specsuite.core import PromptLookupDrafter, TextPiece, eos_token_ids, generate
 
 pytestmark = pytest.mark.real_model

@@ -1,4 +1,4 @@
-"""Greedy's logits screened by a bf16 copy of the output layer (core/logit_screen.py): the argmax
+"""Greedy's logits screened by a bf16 copy of the output layer (core/kernels/logit_screen.py): the argmax
 and the near-tie test stay those of the fp32 logits, and generate() stays greedy's with it."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from dataclasses import replace
 import torch
 
 from specsuite.core import generate
-from specsuite.core.backend import LOGIT_SCREEN_COSTS, choose_backend
-from specsuite.core.draft_budget import StepCost, cost_file
-from specsuite.core.exact_linear import FP32_ROW_BUCKETS, packed_bf16_runs
-from specsuite.core.logit_screen import LogitScreen
-from specsuite.core.verify import top_two
+from specsuite.core.model.backend import LOGIT_SCREEN_COSTS, choose_backend
+from specsuite.core.speculation.draft_budget import StepCost, cost_file
+from specsuite.core.kernels.exact_linear import FP32_ROW_BUCKETS, packed_bf16_runs
+from specsuite.core.kernels.logit_screen import LogitScreen
+from specsuite.core.speculation.verify import top_two
 from conftest import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
 MARGIN = 1e-3

@@ -1,6 +1,6 @@
 """NgramIndex and CopiedDraft, the pieces the copying drafters share (no model)."""
 
-from specsuite.core.prompt_lookup import CopiedDraft, NgramIndex
+from specsuite.core.speculation.prompt_lookup import CopiedDraft, NgramIndex
 
 
 def test_a_growing_list_is_indexed_as_it_grows():

@@ -18,8 +18,8 @@ from specsuite.apps.rag.drafter import ReferenceDrafter
 from specsuite.apps.rag.prompt import rag_prompt_ids, rag_user_message
 from specsuite.apps.rag.evaluate import contains_reference, evaluate_rag, references
 from specsuite.apps.rag.qa import Answer, RagQA, copied_spans, find_claims, parse_citations
-from specsuite.core.backend import choose_backend
-from specsuite.core.int8_linear import int8_runs
+from specsuite.core.model.backend import choose_backend
+from specsuite.core.kernels.int8_linear import int8_runs
 from specsuite.core import PrefixCache, eos_token_ids, generate
 from specsuite.retrieval import PassageIndex, parse_specbench_rag
 

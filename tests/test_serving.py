@@ -41,14 +41,14 @@ class Steps:
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    from specsuite.core.engine import BatchEngine
+    from specsuite.core.scheduler.engine import BatchEngine
 
     return BatchEngine(smollm2[0], batch_size=1, draft_budget=False)
 
 
 def test_a_request_queued_past_its_budget_leaves_the_queue_without_a_slot(smollm2, engine):
     from specsuite.apps.serving import BatchServer
-    from specsuite.core.engine import Request
+    from specsuite.core.scheduler.engine import Request
 
     tok = smollm2[1]
     server = BatchServer(engine)  # one slot: the second request waits for the first to finish
@@ -69,7 +69,7 @@ def test_a_request_queued_past_its_budget_leaves_the_queue_without_a_slot(smollm
 
 def test_an_idle_batch_gives_its_kv_cache_back_and_answers_alike_after(smollm2, monkeypatch):
     from specsuite.apps import serving
-    from specsuite.core.engine import BatchEngine, Request
+    from specsuite.core.scheduler.engine import BatchEngine, Request
 
     monkeypatch.setattr(serving, "IDLE_SHRINK_S", 0.3)
     tok = smollm2[1]
@@ -87,7 +87,7 @@ def test_an_idle_batch_gives_its_kv_cache_back_and_answers_alike_after(smollm2, 
 def test_a_running_request_stops_at_its_next_step(smollm2, engine):
     from specsuite.apps.limits import estimate_s
     from specsuite.apps.serving import BatchServer
-    from specsuite.core.engine import Request
+    from specsuite.core.scheduler.engine import Request
 
     prompt = _prompt(smollm2[1], 20)
     budget = 2 * estimate_s(smollm2[0], len(prompt), 6) + 0.5  # admitted: it may finish in time
@@ -108,7 +108,7 @@ def test_each_step_admits_at_most_the_prompt_token_cap(smollm2):
     """Three 600-token prompts arriving together: two join the first step (1,200 >= 1,024, then
     no more), the third the next one, so the others' decode steps are not stalled by all of them."""
     from specsuite.apps.serving import BatchServer
-    from specsuite.core.engine import BatchEngine, Request
+    from specsuite.core.scheduler.engine import BatchEngine, Request
 
     engine = BatchEngine(smollm2[0], batch_size=4, draft_budget=False)
     server = BatchServer(engine, max_prompt_tokens=1024)
@@ -131,8 +131,8 @@ def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2)
     most two are in the batch at once and the others wait for them; one whose budget is below what
     it needs alone (1.0 s) is refused at once without a slot."""
     from specsuite.apps.serving import PRIOR_STEPS, BatchServer
-    from specsuite.core.draft_budget import StepCost
-    from specsuite.core.engine import BatchEngine, Request
+    from specsuite.core.speculation.draft_budget import StepCost
+    from specsuite.core.scheduler.engine import BatchEngine, Request
 
     engine = BatchEngine(smollm2[0], batch_size=8, cost=StepCost({1: 0.05, 64: 3.2}))
     server = BatchServer(engine)

@@ -15,10 +15,10 @@ from importlib import resources
 
 from specsuite.core import Generation, PromptLookupDrafter, TextPiece, eos_token_ids, generate, turn_end_token
 from specsuite.core import stream as stream_generation
-from specsuite.core.backend import KINDS, Backend, choose_backend
-from specsuite.core.draft import Drafter
-from specsuite.core.engine import BatchEngine, Request, engine_supports
-from specsuite.core.generate import context_length
+from specsuite.core.model.backend import KINDS, Backend, choose_backend
+from specsuite.core.speculation.draft import Drafter
+from specsuite.core.scheduler.engine import BatchEngine, Request, engine_supports
+from specsuite.core.scheduler.generate import context_length
 from specsuite.apps.batching import decode_in_order
 from specsuite.apps.jobs import JobWorker
 from specsuite.models import DEFAULT_MODEL, load_model

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import re
 
-from specsuite.core.draft import AdaptiveLength, Draft, Drafter
-from specsuite.core.prompt_lookup import CopiedDraft, NgramIndex
+from specsuite.core.speculation.draft import AdaptiveLength, Draft, Drafter
+from specsuite.core.speculation.prompt_lookup import CopiedDraft, NgramIndex
 
 SENTENCE_END_CHARS = (".", "!", "?", "\n")
 

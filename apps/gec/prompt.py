@@ -11,7 +11,7 @@ and dropped: on JFLEG dev they made both presets under-correct and lowered GLEU 
 from __future__ import annotations
 
 from specsuite.core import PrefixCache
-from specsuite.core.backend import Backend
+from specsuite.core.model.backend import Backend
 
 # The KV of a few recent prompts, whose common start (the instruction, ~80 tokens of ~110 for a
 # JFLEG sentence) the next prompt reuses: ~2 MB a prompt for Qwen2.5-0.5B in fp32.

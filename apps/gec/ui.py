@@ -31,7 +31,7 @@ from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, Deadline, InputError, T
 from specsuite.apps import serving
 from specsuite.apps.serving import UI_THREADS, BatchServer, wait
 from specsuite.core import TextPiece
-from specsuite.core.engine import BatchEngine, engine_supports
+from specsuite.core.scheduler.engine import BatchEngine, engine_supports
 
 from .corrector import Correction, Corrector, demo_sentences
 from .limits import check_source

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specsuite.core.draft import AdaptiveLength, Draft, Drafter
-from specsuite.core.prompt_lookup import CopiedDraft, Location, NgramIndex
+from specsuite.core.speculation.draft import AdaptiveLength, Draft, Drafter
+from specsuite.core.speculation.prompt_lookup import CopiedDraft, Location, NgramIndex
 
 from .prompt import passage_text
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specsuite.core.chat import chat_prompt_ids
+from specsuite.core.scheduler.chat import chat_prompt_ids
 
 # Short answers that quote: the app attributes every copied run of words to its passage
 # (`Answer.claims`), so quoting is what makes an answer checkable, with or without the model's [n].

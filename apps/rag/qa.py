@@ -26,11 +26,11 @@ from specsuite.core import (
     generate, stream,
 )
 from specsuite.apps.serving import BatchServer
-from specsuite.core.draft import FallbackDrafter
-from specsuite.core.engine import BatchEngine, Request
-from specsuite.core.generate import context_length
+from specsuite.core.speculation.draft import FallbackDrafter
+from specsuite.core.scheduler.engine import BatchEngine, Request
+from specsuite.core.scheduler.generate import context_length
 from specsuite.models import DEFAULT_MODEL, load_model, model_name
-from specsuite.core.backend import Backend, choose_backend
+from specsuite.core.model.backend import Backend, choose_backend
 
 from .drafter import ReferenceDrafter
 from .prompt import rag_prompt_ids

@@ -33,8 +33,8 @@ from specsuite.apps.gec.gleu import corpus_gleu, read_tokenized, tokenize
 from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache, instruction_ids
 from specsuite.bench.rounds import rotated
 from specsuite.core import eos_token_ids, generate, turn_end_token
-from specsuite.core.engine import BatchEngine, Request
-from specsuite.core.backend import choose_backend
+from specsuite.core.scheduler.engine import BatchEngine, Request
+from specsuite.core.model.backend import choose_backend
 from specsuite.models import load_model
 
 WARMUP = 4  # sentences each method decodes before it is timed

@@ -22,9 +22,9 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from specsuite.core import Drafter, DraftModelDrafter, PromptLookupDrafter, eos_token_ids, generate, turn_end_token
-from specsuite.core.backend import KINDS, Backend, choose_backend
-from specsuite.core.draft import FallbackDrafter
-from specsuite.core.chat import chat_prompt_ids
+from specsuite.core.model.backend import KINDS, Backend, choose_backend
+from specsuite.core.speculation.draft import FallbackDrafter
+from specsuite.core.scheduler.chat import chat_prompt_ids
 from specsuite.adapters import describe_adapter
 from specsuite.models import DEFAULT_MODEL, load_model
 from specsuite.bench import serve_load as bench_serve_load

@@ -38,7 +38,7 @@ def _our_runs(model_name: str, sentences: list[str], max_new_tokens: int, batch_
     import torch
 
     from specsuite.bench.batch import WARMUP, GecRuns
-    from specsuite.core.backend import choose_backend
+    from specsuite.core.model.backend import choose_backend
     from specsuite.models import load_model
 
     model, tok = load_model(model_name, dtype=dtype)

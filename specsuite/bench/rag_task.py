@@ -7,7 +7,7 @@ from statistics import mean
 from typing import Any, Callable, Sequence
 
 from specsuite.core import Drafter, PrefixCache, eos_token_ids, generate
-from specsuite.core.backend import choose_backend
+from specsuite.core.model.backend import choose_backend
 from specsuite.retrieval.specbench import parse_specbench_rag
 
 from specsuite.apps.rag.drafter import ReferenceDrafter

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from specsuite.bench.rounds import rotated
-from specsuite.core.backend import choose_backend
+from specsuite.core.model.backend import choose_backend
 from specsuite.models import DEFAULT_EMBEDDING_MODEL, load_model
 
 

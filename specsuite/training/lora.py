@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specsuite.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_fingerprint
-from specsuite.core.sequence import turn_end_token
+from specsuite.core.scheduler.sequence import turn_end_token
 
 # Every linear layer of a Qwen2/Llama block: LoRA on all of them learns a task best for its size.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

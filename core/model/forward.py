@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .draft import Draft
-from .exact_attention import exact_attention
-from .row_plan import RowPlan
-from .verify import tree_attention_mask
+from ..speculation.draft import Draft
+from ..kernels.exact_attention import exact_attention
+from ..kernels.row_plan import RowPlan
+from ..speculation.verify import tree_attention_mask
 
 ARCHITECTURES = ("llama", "qwen2")
 LONG_ROWS = 16  # slots with more rows (a prompt being prefilled) attend in a call of their own

@@ -6,9 +6,9 @@ plus the target's own next token; the KV cache is rolled back past everything el
 verification the output is token for token that of plain greedy decoding; with speculative sampling
 it is distributed as plain sampling.
 
-The loop is the engine's (`BatchEngine.run`, steps in `core/sequence.py`) with one sequence in a
-`CacheStore` (`core/kv.py`): the model's own `DynamicCache`, each forward the model's backend's
-(`core/backend.py`), so that every row rounds as plain decoding's and any architecture runs.
+The loop is the engine's (`BatchEngine.run`, steps in `core/scheduler/sequence.py`) with one sequence in a
+`CacheStore` (`core/scheduler/kv.py`): the model's own `DynamicCache`, each forward the model's backend's
+(`core/model/backend.py`), so that every row rounds as plain decoding's and any architecture runs.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Sequence
 
 import torch
 
-from .backend import Backend, choose_backend
-from .draft import Drafter
+from ..model.backend import Backend, choose_backend
+from ..speculation.draft import Drafter
 from .engine import BatchEngine
 from .kv import CacheStore
 from .sequence import Generation, GenerationStats, Request, StepCallback, context_length, eos_end, eos_token_ids, turn_end_token
-from .verify import Sampling
+from ..speculation.verify import Sampling
 
 __all__ = ["Generation", "GenerationStats", "StepCallback", "context_length", "eos_end", "eos_token_ids",
            "generate", "turn_end_token"]
@@ -52,7 +52,7 @@ def generate(
     drafter: proposes drafts (None: plain decoding). sampling: None for greedy (exact), else
     lossless speculative sampling with `generator` as the source of randomness. stop_strings need
     `tokenizer`. prefix_cache: an optional `PrefixCache` that reuses the KV of a shared prompt prefix.
-    backend: how the forwards are computed (`core/backend.py`): choose it once per loaded model
+    backend: how the forwards are computed (`core/model/backend.py`): choose it once per loaded model
     with `choose_backend(model)` and pass it to every call (None: chosen for this call, which
     packs a copy of the weights anew). It sets the defaults of:
     tie_margin (greedy only; rows whose top two logits are closer are recomputed as plain decoding

@@ -43,15 +43,15 @@ import torch
 from transformers import DynamicCache
 
 from .calibration import calibrated, forward_times
-from .draft import Draft
-from .draft_budget import StepCost, cost_file
+from ..speculation.draft import Draft
+from ..speculation.draft_budget import StepCost, cost_file
 from . import forward as llama
-from .exact_linear import (FP32_FORMS, Fp32Forms, FP32_ROW_BUCKETS, PLAIN_ROWS, PackedWeights, bf16_rows, fp32_linear,
-                           packed_bf16_runs, packed_rows, short_call_rows)
-from .int8_linear import Int8Weights, int8_rows, int8_runs
-from .logit_screen import LogitScreen
-from .row_plan import RowPlan
-from .verify import tree_attention_mask
+from ..kernels.exact_linear import (FP32_FORMS, Fp32Forms, FP32_ROW_BUCKETS, PLAIN_ROWS, PackedWeights, bf16_rows,
+                                    fp32_linear, packed_bf16_runs, packed_rows, short_call_rows)
+from ..kernels.int8_linear import Int8Weights, int8_rows, int8_runs
+from ..kernels.logit_screen import LogitScreen
+from ..kernels.row_plan import RowPlan
+from ..speculation.verify import tree_attention_mask
 
 # fp32 on the CPU: a verify step of 2-4 rows costs 1.1-1.2x a one-row step, 5-9 rows ~1.4-1.7x,
 # 16-17 ~2x, 32-33 ~2.7x (`specsuite step-cost`, Qwen2.5-0.5B on an AVX2-only CPU, with

@@ -1,6 +1,6 @@
 """One sequence being decoded: its state, and the draft-then-verify steps for it.
 
-The engine (`core/engine.py`) runs one loop over the sequences in flight: each `Sequence` proposes a
+The engine (`core/scheduler/engine.py`) runs one loop over the sequences in flight: each `Sequence` proposes a
 draft, one forward scores every sequence's rows, and each sequence verifies its rows and commits
 the accepted path (`settle`). `generate()` is that loop with one sequence.
 """
@@ -13,9 +13,9 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from .draft import Draft, Drafter, NoDrafter, SizeLadder, propose_within
-from .draft_budget import GoodputCap, StepCost
-from .verify import Sampling, top_two, verify_greedy, verify_sample, warp
+from ..speculation.draft import Draft, Drafter, NoDrafter, SizeLadder, propose_within
+from ..speculation.draft_budget import GoodputCap, StepCost
+from ..speculation.verify import Sampling, top_two, verify_greedy, verify_sample, warp
 
 # Called after every step with the new tokens and, per token, whether it came from an accepted draft.
 StepCallback = Callable[[list[int], list[bool]], None]

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from .draft import Draft
-from .draft_budget import StepCost, cost_file, curve_problem
+from ..speculation.draft import Draft
+from ..speculation.draft_budget import StepCost, cost_file, curve_problem
 from .forward import Rows
 
 

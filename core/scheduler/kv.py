@@ -1,6 +1,6 @@
 """Where the keys and values of the sequences in flight live, and the one rollback after a step.
 
-The loop (`core/engine.py`) runs over a store with four verbs:
+The loop (`core/scheduler/engine.py`) runs over a store with four verbs:
 - `admit(slot, prompt, max_new, slots=, in_flight=, batch_size=)`: make room for a sequence;
   returns how many of its prompt tokens the store already holds (a shared prefix, a prefix cache
   hit), or None where there is no room now;
@@ -22,9 +22,9 @@ from typing import Iterable, Protocol
 import torch
 from transformers import DynamicCache
 
-from . import forward as packed
-from .backend import Backend, choose_backend, plain_backend
-from .draft import Draft
+from ..model import forward as packed
+from ..model.backend import Backend, choose_backend, plain_backend
+from ..speculation.draft import Draft
 from .sequence import Sequence
 
 # The shared prefix is computed in a call of at least this many rows (see SlotStore._compute_prefix).

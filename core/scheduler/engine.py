@@ -1,6 +1,6 @@
 """The decoding loop: many sequences in one forward, each with its own draft.
 
-`BatchEngine` keeps up to `batch_size` sequences in flight over a KV store (`core/kv.py`: the
+`BatchEngine` keeps up to `batch_size` sequences in flight over a KV store (`core/scheduler/kv.py`: the
 preallocated `SlotStore` by default; `generate()` runs it with one sequence in a `CacheStore`, the
 model's own cache). One step (`run`):
 
@@ -10,7 +10,7 @@ model's own cache). One step (`run`):
 2. each sequence's drafter proposes (`Sequence.propose`); a draft cap chosen from the measured cost
    of a forward by its row count (`StepCost`) and each slot's acceptance so far trims the drafts
    (`DraftBudget`);
-3. ONE forward over every slot's [fresh tokens, draft nodes] (`store.forward`, `core/forward.py`);
+3. ONE forward over every slot's [fresh tokens, draft nodes] (`store.forward`, `core/model/forward.py`);
 4. verify each slot's draft (greedy or speculative sampling) and commit (`Sequence.settle`), keep
    the accepted path's KV (`store.keep`, the one rollback `kv.keep_path`);
 5. retire finished sequences (`store.release`); their slots take the next requests.
@@ -33,14 +33,14 @@ from pathlib import Path
 
 import torch
 
-from . import forward
-from .calibration import slot_step_cost
-from .draft import Draft
-from .backend import Backend
-from .draft_budget import DraftBudget, StepCost
+from ..model import forward
+from ..model.calibration import slot_step_cost
+from ..speculation.draft import Draft
+from ..model.backend import Backend
+from ..speculation.draft_budget import DraftBudget, StepCost
 from .kv import KVStore, SlotStore
 from .sequence import Generation, Request, Sequence, context_length, eos_token_ids
-from .verify import top_two
+from ..speculation.verify import top_two
 
 
 def engine_supports(model) -> bool:
