@@ -3,11 +3,11 @@
 Verifying k draft tokens in one forward is only lossless if each row's logits are the ones plain
 decoding would compute. In bf16 they are not quite: a k-row attention call takes other kernel paths
 than the one-row calls of `generate()`, and the last-bit differences flip near-ties of the argmax
-(measured here on Qwen2.5-0.5B: 3 of 20 JFLEG corrections diverged from greedy; 0 of 20 with this
-attention). So this attention runs the leading block of rows (the prompt, at prefill) as one
-causal call, exactly as `generate()`'s prefill does, and the root and each draft row as a one-row
-call over exactly the keys it may see, exactly as a decode step does. In bf16, rows of similar
-length share one call, batched and padded where that rounds the same (tested; see `_groups`).
+(docs/architecture-core.md, Measurements: exact attention). So this attention runs the leading
+block of rows (the prompt, at prefill) as one causal call, exactly as `generate()`'s prefill
+does, and the root and each draft row as a one-row call over exactly the keys it may see,
+exactly as a decode step does. In bf16, rows of similar length share one call, batched and
+padded where that rounds the same (tested; see `_groups`).
 
 The linear layers need the same care in bf16: see exact_linear.py. A backend's `RowPlan`
 (row_plan.py) says which rows are the block; forward.py's layer loop calls this attention with it. In fp32 the differences are ~1e-5, and generate() guards near-ties.
@@ -83,12 +83,11 @@ def _prefill_block(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 
     query (b, heads, block, d), key/value (b, kv_heads, >= past + block, d) -> (b, block, heads, d).
     The CPU kernel rounds a row alike whether it runs in a causal call over the whole prompt or under
-    a mask in a call of at least MIN_BLOCK_ROWS query rows; with fewer rows some round otherwise
-    (measured on torch 2.13: 0 of 40 random shapes differ at 64 rows, 17 of 40 at 32). So a short
-    block is padded with dummy queries for the last cached rows; the kernel's rule is checked once
-    per shape by `_short_block_is_exact`, else the block is padded to the whole prompt (6 ms per
-    layer on an 800-token prompt against 0.8 ms). Measured on Spec-Bench RAG follow-ups in bf16:
-    running the 17 new rows alone under a mask, 0 of 3 follow-ups matched the uncached answer."""
+    a mask in a call of at least MIN_BLOCK_ROWS query rows; with fewer rows some round otherwise,
+    and cached answers then differ from uncached ones. So a short block is padded with dummy
+    queries for the last cached rows; the kernel's rule is checked once per shape by
+    `_short_block_is_exact`, else the block is padded to the whole prompt (exact, but far dearer;
+    docs/architecture-core.md, Measurements: prefill blocks after a reused prefix)."""
     block, end = query.shape[2], past + query.shape[2]
     start = 0
     if past and _short_block_is_exact(query.shape[1], key.shape[1], query.shape[3], query.dtype):
@@ -144,9 +143,10 @@ def _groups(lengths: list[int]) -> list[list[int]]:
 
     A one-row call of the bf16 CPU kernel rounds the same over keys padded with masked zeros as long
     as the padding stays within the same 16-key vector and the padded length is odd (its sums run
-    16 lanes wide, its bf16 products in pairs). Found by experiment on torch 2.13's kernel (28,000
-    random rows, all bit-identical), checked on each machine by `_grouping_is_exact` and tested in
-    tests/test_core_generate.py. A row whose length ends a vector cannot be padded: it runs alone."""
+    16 lanes wide, its bf16 products in pairs). Found by experiment on torch's CPU kernel
+    (docs/architecture-core.md, Measurements: grouped attention rows), checked on each machine by
+    `_grouping_is_exact` and tested in tests/test_core_generate.py. A row whose length ends a
+    vector cannot be padded: it runs alone."""
     by_vector: dict[int, list[int]] = {}
     alone: list[list[int]] = []
     for i, n in enumerate(lengths):
@@ -161,7 +161,7 @@ def _groups(lengths: list[int]) -> list[list[int]]:
 def _grouping_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
     """Whether grouped rows (`_groups`) round as one-row calls do, on this machine's kernel.
 
-    The rule was found on torch 2.13's CPU kernel; another build or CPU may round otherwise. So it
+    The rule was found on one torch build's CPU kernel; another build or CPU may round otherwise. So it
     is checked once per attention shape on random rows (milliseconds), and rows run one per call if not."""
     gen = torch.Generator().manual_seed(0)
     for past in (100, 131, 700):

@@ -3,38 +3,36 @@
 The companion of exact_attention.py. A bf16 matmul rounds the last bit of some outputs according to
 the number of rows in the call: a k-row verify call may round otherwise than a decode step's
 one-row call, and so may a prefill's rows when draft rows follow them in the same call. Those last
-bits drift into the KV cache and flip an exact tie of the logits now and then (measured on
-Qwen2.5-0.5B: 4 of 100 JFLEG corrections diverged from greedy). So in a forward whose `RowPlan`
-has `block` n, the n block rows (a prefill) run as one call of their own, as `generate()`'s
+bits drift into the KV cache and flip an exact tie of the logits now and then
+(docs/architecture-core.md, Measurements: bf16 rounding by row count). So in a forward whose
+`RowPlan` has `block` n, the n block rows (a prefill) run as one call of their own, as `generate()`'s
 prefill does, and the other rows in a form that rounds each row as a one-row call does.
 
 Why calls round differently: oneDNN (AMX) may split the sum over a call's input dimension into
-runs summed apart in fp32 (by threads, by cache blocks), according to the call's shape. A one-row
-call of Qwen2.5-0.5B's down projection (a 4864-wide input) sums two halves apart, one of
-Qwen2.5-1.5B's (8960 wide) four runs of 2240; a plain multi-row call sums the whole input in one
-run. `_split_sums` shows where a call splits (inputs 2^24, 1, -2^24 in turn: the 1 survives only
-where it is summed apart from the first 2^24). The forms, chosen per weight shape by a check on
-this machine's kernel (`_form`), cheapest first:
+runs summed apart in fp32 (by threads, by cache blocks), according to the call's shape: a one-row
+call of a wide down projection may sum its input in two or four runs apart, a plain multi-row call
+in one run (docs/architecture-core.md, Measurements: split sums). `_split_sums` shows where a
+call splits (inputs 2^24, 1, -2^24 in turn: the 1 survives only where it is summed apart from the
+first 2^24). The forms, chosen per weight shape by a check on this machine's kernel (`_form`),
+cheapest first:
 
 - "packed": oneDNN calls on the weights packed once (`PackedWeights`, a second copy of them),
-  where neither a one-row call nor a packed call of 1..PLAIN_ROWS rows splits the sum (every
-  projection of Qwen2.5 but the down projections, and the lm_head). Bit for bit a one-row
+  where neither a one-row call nor a packed call of 1..PLAIN_ROWS rows splits the sum (typically
+  every projection but the down projections, and the lm_head). Bit for bit a one-row
   `F.linear` at every row count, and cheaper: the plain call repacks the weights on every call.
   One-token steps take it too.
 - "plain": `F.linear` in calls of up to PLAIN_ROWS rows (where no packed weights are at hand).
 - "padded": `weight @ x.T` in calls of exactly `width` columns (zero-padded), the narrowest of
-  PAD_WIDTHS whose calls split the input as the one-row call does: 33 columns on Qwen2.5-0.5B's
-  down projection, 192 on Qwen2.5-1.5B's (33-160 columns split it otherwise). (Wider is not safe
-  everywhere: at 47 columns the k/v projection, 128x896 with a bias, rounded some rows otherwise.)
-  Short calls go cheaper: `F.linear` of the rows laid out column-major splits the input as the
-  one-row call does for 2..`short` rows (`_column_major_rows`: 2-15 rows on Qwen2.5-1.5B's down
-  projection, 2-32 on Qwen2.5-0.5B's), at about half the cost of the padded call.
+  PAD_WIDTHS whose calls split the input as the one-row call does (a wider one is not safe
+  everywhere). Short calls go cheaper: `F.linear` of the rows laid out column-major splits the
+  input as the one-row call does for 2..`short` rows (`_column_major_rows`), at about half the
+  cost of the padded call (docs/architecture-core.md, Measurements: kernel forms per weight shape).
 - "rows": one call per row, where nothing else passes (exact, slow).
 
 Where a layer takes another form, its one-token steps still run on packed weights wherever a
-one-row call there rounds as `F.linear`'s (`packed_one_row_is_plain`: every Qwen2.5 layer on the
-Zen 5 CPU, whose multi-row calls take the column-major form). The `plain-packed` backend's draft
-rows run on packed weights too (`packed_rows`): cheaper than plain calls, not exact.
+one-row call there rounds as `F.linear`'s (`packed_one_row_is_plain`, checked per weight shape).
+The `plain-packed` backend's draft rows run on packed weights too (`packed_rows`): cheaper than
+plain calls, not exact.
 
 Every form is also checked on random rows, and tested on real activations. The model's own layers
 are never changed: HF's generate() computes as ever; only forward.py's layer loop calls these forms.
@@ -43,12 +41,11 @@ In fp32 no form rounds draft rows bit for bit as one-row calls, and none needs t
 from plain calls by ~1e-6, and generate()'s tie guard redoes, as plain decoding computes them, the
 rows where that could matter.
 So in fp32 every row of generate()'s forwards takes the fastest kernel form for its row count
-instead (`fp32_linear`), as measured for the model on this machine (`backend.fp32_forms`). On
-an AVX2-only CPU (no bf16 hardware, so fp32 is the default dtype) torch's own fp32 `F.linear` is
-MKL's, which packs the weights on every call: a 2-row call costs twice a one-row one. oneDNN with
-weights packed once (`PackedWeights`, a second copy of the weights) cost ~10% less for one row,
-~25% less for 16-85 rows (a prefill); for 2-4 rows `weight @ x.T` of 2 or 4 columns was cheaper
-still, about a one-row step (`specsuite step-cost`). On an AMX CPU the same forms rank otherwise.
+instead (`fp32_linear`), as measured for the model on this machine (`backend.fp32_forms`): torch's
+own fp32 `F.linear` (MKL's where there is no bf16 hardware) packs the weights on every call, oneDNN
+on weights packed once (`PackedWeights`) does not, and `weight @ x.T` of a few columns suits 2-4
+rows on some CPUs; the ranking differs by CPU (docs/architecture-core.md, Measurements: fp32 kernel
+forms).
 """
 
 from __future__ import annotations
@@ -79,9 +76,8 @@ def bf16_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int, packed: Packe
 
 # The fp32 kernel forms: torch's `F.linear`, `weight @ x.T` in padded column calls (`fp32_rows`),
 # oneDNN on packed weights. Which is fastest for a row count depends on the CPU and the model:
-# `backend.fp32_forms` measures it. On an AVX2-only CPU (Qwen2.5-0.5B) "columns" for 2-4 rows and
-# "packed" otherwise (FP32_DEFAULT_FORMS); on an AMX CPU with Qwen2.5-1.5B, "plain" for 1-2 rows and
-# "packed" from 3 (4 rows: 306 ms a forward packed, 542 plain, 520 columns).
+# `backend.fp32_forms` measures it. FP32_DEFAULT_FORMS is the ranking found on an AVX2-only CPU
+# (docs/architecture-core.md, Measurements: fp32 kernel forms).
 FP32_FORMS = ("plain", "columns", "packed")
 FP32_ROW_BUCKETS = (1, 2, 4, 8, 16, 32)  # a forward of r rows takes the form of the first bucket >= r
 FP32_DEFAULT_FORMS = ("packed", "columns", "columns", "packed", "packed", "packed")
@@ -224,7 +220,8 @@ def _one_row_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   packed: PackedWeights | None = None) -> torch.Tensor:
     """A one-row `F.linear` (a decode step's call), bit for bit, on the packed weights where they
     round it alike (`packed_one_row_is_plain`): about half the time of the plain call, which
-    repacks the weights."""
+    repacks the weights (docs/architecture-core.md, Measurements: one-row calls on packed
+    weights)."""
     if packed_one_row_is_plain(*weight.shape, bias is not None):
         return _packed_call(x, weight, bias, packed)
     return F.linear(x, weight, bias)
@@ -234,8 +231,8 @@ def _one_row_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def packed_one_row_is_plain(out_features: int, in_features: int, bias: bool) -> bool:
     """Whether a one-row call on packed weights rounds bit for bit as a one-row `F.linear` for
     this weight shape: it splits the sum over the input alike (`_split_sums`) and gives the same
-    bits on random rows. Checked once per shape (tens of ms); holds for every layer of Qwen2.5 on
-    the AMD Zen 5 CPU (avx512_bf16, no AMX)."""
+    bits on random rows. Checked once per shape (tens of ms; where it holds:
+    docs/architecture-core.md, Measurements: kernel forms per weight shape)."""
     if not packed_bf16_runs():
         return False
     out_features = min(out_features, 8192)  # as `_form`: a wide lm_head is blocked alike
@@ -274,7 +271,8 @@ def _transposed_calls(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         else:
             calls.append(torch.addmm(bias[:, None].expand(-1, width), weight, rows.T))
     # Contiguous rows: a transposed result would pass its layout on through the elementwise ops
-    # to the next layer's input, and `weight @ x.T` of a column-major x is ~3x slower.
+    # to the next layer's input, and `weight @ x.T` of a column-major x is much slower
+    # (docs/architecture-core.md, Measurements: fp32 kernel forms).
     return (calls[0] if len(calls) == 1 else torch.cat(calls, dim=1)).T[: x.shape[0]].contiguous()
 
 
@@ -283,8 +281,9 @@ _pads = threading.local()  # per thread: generate() may run in several threads a
 
 def _zero_padded(rows: torch.Tensor, width: int) -> torch.Tensor:
     """rows (m, in) -> (width, in): rows, then zeros. A buffer kept per thread and shape, of
-    which only the rows an earlier call wrote are zeroed again: a fresh zero-padded copy of
-    Qwen2.5-1.5B's 8960-wide rows cost ~0.7 ms more per call (page faults on a new 3.4 MB tensor)."""
+    which only the rows an earlier call wrote are zeroed again: a fresh zero-padded copy per call
+    pays page faults on a new tensor (docs/architecture-core.md, Measurements: padded calls'
+    buffer)."""
     m = rows.shape[0]
     buffers = _pads.__dict__.setdefault("buffers", {})
     key = (width, rows.shape[1], rows.dtype, rows.device)
@@ -333,8 +332,8 @@ def _column_major_rows(weight: torch.Tensor, bias: torch.Tensor | None, x: torch
                        one_row: list[int]) -> int:
     """The most rows k <= PLAIN_ROWS such that `_column_major_call`s of 2..k rows split the sum
     over the input where a one-row `F.linear` does (`one_row`, from `_split_sums`) and round the
-    random rows `x` as their one-row calls (`alone`); 0 where 2 rows do not. (On torch 2.13's AMX
-    kernel it holds for 2..15 rows of Qwen2.5-1.5B's down projection, not for 16.)"""
+    random rows `x` as their one-row calls (`alone`); 0 where 2 rows do not
+    (docs/architecture-core.md, Measurements: kernel forms per weight shape)."""
     out_features, in_features = weight.shape
     counts = range(2, PLAIN_ROWS + 1)
     short = 0

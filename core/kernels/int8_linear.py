@@ -8,7 +8,7 @@ scaled elementwise (the weight's channel scale in the kernel, the row's scale an
 it). Nothing in that depends on the other rows of the call, so a verify forward of any number of
 rows, a prefill, or a batched engine step computes each row's projection bit for bit as a one-token
 step does, in one call on weights packed once. And the int8 weights are half the bf16 bytes, so
-a step streams less (docs/architecture-core.md, "Measurements behind the code").
+a step streams less (docs/architecture-core.md, Measurements: int8 calls).
 
 The numerics are not bf16's: greedy output is identical to this backend's own one-token greedy
 decoding, not to bf16 greedy (docs/exactness.md). Each weight is quantized once, on first use, by
@@ -26,7 +26,9 @@ import torch
 
 from .exact_linear import PackedWeights
 
-MIN_ROWS = 4  # calls of fewer rows are zero-padded: a 1-2-row call of a 128x896 weight took 1.5-3.5 ms, 4 rows 0.03
+# Calls of fewer rows are zero-padded: the kernel is far slower on 1-2 rows than on 4
+# (docs/architecture-core.md, Measurements: int8 short calls and quantization).
+MIN_ROWS = 4
 QUANTIZE_ROWS = 1024  # rows of a weight quantized at a time (fp32 temporaries of a few MB)
 QMAX = 127  # symmetric int8: -127..127 (the kernel's s8 x s8 products fit int32 sums of any input width here)
 
@@ -62,8 +64,8 @@ class Int8Weight(NamedTuple):
 
 
 def _quantized_weight(weight: torch.Tensor) -> Int8Weight:
-    """In blocks of rows: whole-weight fp32 temporaries (0.9 GB for Qwen2.5-1.5B's output layer)
-    made the first int8 forward of the 1.5B take ~16 s."""
+    """In blocks of rows: whole-weight fp32 temporaries of a large output layer made the first int8
+    forward slow (docs/architecture-core.md, Measurements: int8 short calls and quantization)."""
     w = weight.detach()
     scale = w.abs().amax(dim=1).float().clamp_(min=1e-12) / QMAX  # a max is exact in any float dtype
     q = torch.empty(w.shape, dtype=torch.int8)

@@ -1,19 +1,19 @@
 """Greedy's fp32 logits from a bf16 copy of the output layer, exact where they can matter.
 
-In fp32 on the CPU the output layer (Qwen2.5-1.5B: 151936 x 1536, 0.93 GB) is ~15% of a
-forward's weights and of its arithmetic per row. Greedy verification needs only each row's argmax
-and whether its top two are closer than the tie margin. So `LogitScreen` scores the rows with a
-bf16 copy of the weights (half the bytes, AMX arithmetic), bounds that score's error, and computes
-in fp32 only the tokens whose bound reaches the best one's: every other token is more than
-`margin` below the best, by its bound, and keeps its bf16 score. The argmax and the near-tie test
-of the result are those of the fp32 logits.
+In fp32 on the CPU a large-vocabulary output layer is a sizeable share of a forward's weights and
+of its arithmetic per row (docs/architecture-core.md, Measurements: logit screen). Greedy
+verification needs only each row's argmax and whether its top two are closer than the tie
+margin. So `LogitScreen` scores the rows with a bf16 copy of the weights (half the bytes, AMX
+arithmetic), bounds that score's error, and computes in fp32 only the tokens whose bound reaches
+the best one's: every other token is more than `margin` below the best, by its bound, and keeps
+its bf16 score. The argmax and the near-tie test of the result are those of the fp32 logits.
 
 The bound: bf16 keeps 8 significant bits, so rounding h and w costs at most 2u|h_i||w_i| per
 product (u = 2^-8), the fp32 sum of K exact products at most gamma_K sum|h_i w_i| (gamma_K ~ K 2^-24,
 counted twice: the fp32 logits it stands for are rounded sums too), and the bf16 output u|score|.
-On Qwen2.5-1.5B's JFLEG rows the bound is ~1.6 (the bf16 scores were off by at most 0.1), and
-3 tokens a row (median; mean 10, at most 677 of 151936) are computed again in fp32.
 sum|h_i||w_i| <= |h| |w| (Cauchy-Schwarz), with |w| the largest row norm of the weights.
+In practice the bound is loose, and only a few tokens a row are computed again in fp32 (same
+Measurements topic).
 """
 
 from __future__ import annotations

@@ -53,21 +53,14 @@ from ..kernels.logit_screen import LogitScreen
 from ..kernels.row_plan import RowPlan
 from ..speculation.verify import tree_attention_mask
 
-# fp32 on the CPU: a verify step of 2-4 rows costs 1.1-1.2x a one-row step, 5-9 rows ~1.4-1.7x,
-# 16-17 ~2x, 32-33 ~2.7x (`specsuite step-cost`, Qwen2.5-0.5B on an AVX2-only CPU, with
-# exact_linear's fp32 kernels). Replayed on 100 JFLEG outputs with such costs, drafts capped at 3
-# nodes needed about a quarter less decode time than uncapped ones; the ladder, which grows on
-# whole acceptances, did as well there and lets long copies (summaries) draft more. It is the cap
-# where no step costs were measured; `choose_backend` gives fp32-cpu the measured ones, and drafts
-# are capped by `GoodputCap` on them (see its replay figures: 5.6% less decode time on the AMX CPU).
+# fp32 on the CPU a verify step costs more with every few rows, so drafts climb a ladder filling
+# 4, 8, 16, 32 rows (long copies still draft long). Only the fallback where no step costs were
+# measured: fp32-cpu caps drafts by `GoodputCap` on its measured costs
+# (docs/architecture-core.md, Measurements: fp32 draft ladder).
 FP32_CPU_DRAFT_SIZES = (3, 7, 15, 31)
 
-# fp32 on the CPU, a prefill is compute-bound: 8 more rows after a 30-row GEC prompt suffix cost
-# ~0.45 of a one-token step, 16 rows ~0.9 (Qwen2.5-0.5B, measured ad hoc), so the prefill verifies a
-# draft too. Replayed on 100 JFLEG outputs with those costs, an 8-node draft in the prefill saved
-# ~10% of the decode time, 16 nodes as much, 32 less; on 40 JFLEG sentences (AVX2 CPU, 0.5B) 85.2 s
-# with 16 nodes, 85.9 s with 8, 100.1 s with none; on 20 (AMX CPU, Qwen2.5-1.5B in fp32) 56.6 s with
-# 16, 58.5 s with 8, 63.9 s with none.
+# fp32 on the CPU a prefill is compute-bound, so a few more rows cost little: the prefill verifies a
+# draft of up to this many nodes too (docs/architecture-core.md, Measurements: fp32 prefill draft).
 FP32_CPU_PREFILL_DRAFT = 16
 
 # The exact bf16 forms are kept while forwards in them cost at most this much more than plain ones,
@@ -75,10 +68,8 @@ FP32_CPU_PREFILL_DRAFT = 16
 # weights) and what a copy draft verifies.
 EXACT_OVERHEAD = 0.15
 AFFORDABILITY_ROWS = (1, 9, 17)
-# What that measurement is kept on disk as; "v2" since exact_linear's packed form and wider padded
-# forms (PAD_WIDTHS) made Qwen2.5-1.5B's exact forwards ~1.1x plain ones instead of 3.1x, "v3"
-# since short calls of the padded forms' layers run column-major (`_column_major_rows`), "v4" since
-# one-token steps run on packed weights wherever they round alike and `plain-packed` is timed too.
+# What that measurement is kept on disk as; versioned, so that a change to the forms it times makes
+# older timings stale (docs/architecture-core.md, Measurements: cost file versions).
 EXACT_VS_PLAIN = "exact-vs-plain v4"
 
 KINDS = ("auto", "exact", "plain", "int8")
@@ -171,28 +162,27 @@ class Backend:
         return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
 
 
-# exact-bf16: every row rounds bit for bit as in a one-token step, so no guard is needed (Qwen2.5-0.5B:
-# 100 of 100 JFLEG corrections identical to greedy without one). fp32-cpu: every row runs on faster
-# kernels than plain decoding's and differs from it by up to ~4e-5 (Qwen2.5-0.5B's logits after a
-# prefill, JFLEG prompts): a guard 25x wider.
+# exact-bf16: every row rounds bit for bit as in a one-token step, so no tie guard is needed
+# (docs/architecture-core.md, Measurements: tie margins).
 # Its drafts are capped at PLAIN_ROWS - 1 nodes: with the root, every layer then verifies them in one
-# call; a 40-row forward takes two (a second pass over the weights; docs/architecture-core.md,
-# "Measurements behind the code").
+# call; more rows take two (a second pass over the weights; docs/architecture-core.md,
+# Measurements: exact-bf16's draft cap).
 EXACT_BF16 = Backend("exact-bf16", bf16_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(PLAIN_ROWS - 1,))
 # Where a layer rounds as one-row calls in cheap column-major calls only up to fewer rows
 # (`exact_linear.short_call_rows`), drafts are capped to fit them, down to this many rows (the
-# replay that chose it: docs/architecture-core.md, "Measurements behind the code").
+# replay that chose it: docs/architecture-core.md, Measurements: `MIN_SHORT_CALL_ROWS`).
 MIN_SHORT_CALL_ROWS = 12
 # fp32-cpu's attention runs all rows in one sdpa call: one call per draft row rounds no closer to
 # plain decoding while the linear layers differ from it anyway (tie guard), and cost more.
+# Its rows differ slightly from plain decoding's, so its tie margin is set well above that
+# drift (docs/architecture-core.md, Measurements: tie margins; fp32-cpu's attention in one call).
 FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, draft_sizes=FP32_CPU_DRAFT_SIZES,
                    prefill_draft=FP32_CPU_PREFILL_DRAFT, plain_steps=False, lossless_prefix_cache=True,
                    exact_attention=False)
 # A redone row inherits KV that multi-row calls wrote. In fp32 that drift is ~1e-6, so redoing rows
-# within 1e-3 settles near-ties as plain decoding does. In bf16 it is not: multi-row rows differ
-# from one-token steps by up to ~0.17 (Qwen2.5-0.5B), and with a 0.25 guard Qwen2.5-1.5B was slower
-# (JFLEG, 50 sentences: 2.98x greedy against 3.31x without; Spec-Bench RAG, 12: 1.24x against
-# 1.75x) and no closer to greedy (46 of 50 identical either way; RAG 10 of 12 against 12 of 12).
+# within 1e-3 settles near-ties as plain decoding does. In bf16 it is not: the drift is far larger,
+# and a guard made decoding slower without bringing it closer to greedy, so bf16 has none
+# (docs/architecture-core.md, Measurements: tie margins).
 # int8: every linear layer, the output layer included, in int8 with per-row activation scales
 # (int8_linear.py). Its integer sums make every row of any call round as a one-token step's, so
 # prefill, draft and batched rows all take one call on the packed int8 weights, and greedy output
@@ -202,13 +192,11 @@ INT8 = Backend("int8", int8_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(
                engine_linear=int8_rows, store=Int8Weights)
 PLAIN = Backend("plain", None, exact_rows=False, tie_margin=0.0)
 PLAIN_TIE_MARGIN = {torch.float32: 1e-3}
-# On the AMD Zen 5 CPU (avx512_bf16, no AMX), where the exact forms cost 1.3x plain ones, plain
-# calls repack the weights every time: on packed weights Qwen2.5-1.5B's copy-drafted JFLEG
-# corrections took 20% less time, with the same 49 of 50 identical to greedy (ad-hoc A/B, 50
-# sentences, alternated).
-# The batched engine's rows round otherwise than greedy's anyway (batched rows), so they all take the
-# packed weights: 50 JFLEG sentences at batch size 64 (Qwen2.5-0.5B) took 1.2x less time, with the
-# same 45 of 50 identical to greedy (ad-hoc A/B, 3 rounds alternated).
+# plain-packed: where the exact forms cost too much (e.g. without AMX), plain calls still repack the
+# weights every time, so draft rows and one-token steps run on weights packed once: faster, no
+# further from greedy. The batched engine's rows round otherwise than greedy's anyway (batched
+# rows), so they all take the packed weights (docs/architecture-core.md, Measurements:
+# plain-packed).
 PLAIN_PACKED = Backend("plain-packed", packed_rows, exact_rows=True, tie_margin=0.0, exact_attention=False,
                        engine_linear=packed_rows)
 
@@ -248,8 +236,8 @@ def _choose(model, kind: str) -> Backend:
     backend = _bf16_backend(model, kind)
     # The batched engine's rows round as no one-token step does anyway (batched rows, see engine.py),
     # so where oneDNN runs on packed weights they all take them, whatever the one-sequence forms:
-    # a plain call repacks the weights every time. 128 JFLEG corrections at batch 64 (Qwen2.5-0.5B,
-    # AMX CPU, exact-bf16) took 1.17-1.30x less time, the same tokens (docs/benchmarks.md).
+    # a plain call repacks the weights every time (docs/architecture-core.md, Measurements: engine rows
+    # on packed weights).
     return replace(backend, engine_linear=packed_rows) if packed_bf16_runs() else backend
 
 
@@ -278,7 +266,7 @@ def _measured(model, measure: str, backends: list[Backend], rows: list[int]) -> 
 def _fp32_form_costs(model) -> dict[str, dict[int, float]]:
     """Seconds of a verify forward of each of FP32_ROW_BUCKETS rows in each fp32 kernel form
     (`exact_linear.FP32_FORMS`): {form: {rows: s}} (measured once per machine and model, kept on
-    disk; on the AMX CPU 11.5 s for Qwen2.5-0.5B, 32.4 s for Qwen2.5-1.5B)."""
+    disk; docs/architecture-core.md, Measurements: calibration times)."""
     backends = [replace(FP32_CPU, name=form,
                         linear=Fp32Forms((form,) * len(FP32_ROW_BUCKETS)))
                 for form in FP32_FORMS]
@@ -307,9 +295,8 @@ def fp32_backend(model) -> Backend:
     model at FP32_ROW_BUCKETS rows (kept on disk); drafts capped (`GoodputCap`) on the measured
     costs of the forwards it runs. The screen is tried only where oneDNN runs bf16 calls on packed
     weights (`exact_linear.packed_bf16_runs`) and the output layer is an fp32 `Linear` without
-    bias. Qwen2.5-1.5B on the AMX CPU, ad hoc: 17, 23 and 47 ms less at 1, 8 and 32 rows (of 246,
-    337, 575 ms); capping its drafts on the screened costs rather than the unscreened ones took
-    2.6% less time on 30 JFLEG sentences (A/B)."""
+    bias. With the screen on, drafts are capped on the screened costs, which decodes faster than
+    capping on the unscreened ones (docs/architecture-core.md, Measurements: logit screen)."""
     backend = replace(FP32_CPU, linear=Fp32Forms(fp32_forms(model)))
     head = getattr(model, "lm_head", None)
     if not (packed_bf16_runs() and llama.supports(model) and isinstance(head, torch.nn.Linear)
@@ -325,7 +312,8 @@ def fp32_backend(model) -> Backend:
 def bf16_form_costs(model) -> dict[str, float]:
     """Seconds of verify forwards of AFFORDABILITY_ROWS rows (summed) in the exact bf16 forms,
     `plain` and, where oneDNN runs bf16 calls on packed weights, `plain-packed`: {name: s}
-    (measured once on this machine, ~1 s for a 0.5B model; kept on disk)."""
+    (measured once on this machine, kept on disk; docs/architecture-core.md, Measurements:
+    calibration times)."""
     measured = _measured(model, EXACT_VS_PLAIN, [EXACT_BF16, *plain_forms(model.dtype)], list(AFFORDABILITY_ROWS))
     return {name: sum(per_rows.values()) for name, per_rows in measured.items()}
 

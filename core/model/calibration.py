@@ -161,7 +161,8 @@ def slot_step_cost(store, batch_size: int, rows: Iterable[int] = (1, 2, 4, 8, 16
     tokens; median of `reps`), or an earlier measurement of the same machine, model, dtype and
     backend read from disk and checked against a quick timing now (`calibrated`)."""
     rows = sorted(set(rows))
-    # "v2" since batches in bf16 run on packed weights (`Backend.engine_linear`): cheaper steps
+    # Versioned, so that a change to how batches compute makes older curves stale
+    # (docs/architecture-core.md, Measurements: cost file versions).
     path = cost_file(store.model, cache_dir, measure=f"engine v2:{store.backend.name}")
     vocab = min(store.model.config.vocab_size, 32000)
     gen = torch.Generator().manual_seed(0)

@@ -1,8 +1,8 @@
-"""The forward of a Llama-family decoder (Llama, Qwen2), without transformers' per-call machinery.
+"""The forward of a Llama-family decoder (ARCHITECTURES), without transformers' per-call machinery.
 
-`generate()` makes a forward pass per step, each ~75-150 ms on 2 CPU cores, and transformers'
-modeling code spends ~6% of that around the tensor ops: decorators on every layer and attention
-call, mask building, output records (measured on Qwen2.5-0.5B in bf16, 1 and 17 rows alike). This
+`generate()` makes a forward pass per step, and transformers' modeling code spends a noticeable
+share of each around the tensor ops: decorators on every layer and attention call, mask
+building, output records (docs/architecture-core.md, Measurements: forward overhead). This
 module calls the model's own submodules and rotary function in the order the modeling code does
 (`_layers`, the one layer loop), with one of two attentions:
 
@@ -48,7 +48,7 @@ def supports(model) -> bool:
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding of q and k (batch, heads, rows, dim), by the same operations in the
-    same order as the Llama and Qwen2 modeling code, so bit for bit the same."""
+    same order as the modeling code of ARCHITECTURES, so bit for bit the same."""
     def rotate_half(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -168,7 +168,8 @@ def forward(model, backend, keys: list[torch.Tensor], values: list[torch.Tensor]
         for g in groups:
             k, v = keys[i][g.slots, :, : g.width], values[i][g.slots, :, : g.width]
             # The query heads of one key/value head as rows of one call (count, kv_heads, share * q, dim):
-            # CPU sdpa's grouped-query path (enable_gqa) took 1.3-3x longer on these short queries.
+            # CPU sdpa's grouped-query path (enable_gqa) is slower on these short queries
+            # (docs/architecture-core.md, Measurements: batched attention).
             query = rows[g.pad].view(g.count, g.q, kv_heads, share, head_dim).permute(0, 2, 3, 1, 4)
             o = F.scaled_dot_product_attention(query.reshape(g.count, kv_heads, share * g.q, head_dim), k, v,
                                                attn_mask=g.mask, scale=attn.scaling)
@@ -214,7 +215,7 @@ def _attention_groups(masks: list[torch.Tensor], pasts: list[int], where: list[i
         first, last = where[members[0]], where[members[-1]]
         # The cache slots first..last as a view where the members fill at least half of them
         # (the others attend one position as padding): indexing the members' slots copies their
-        # keys and values in every layer (~6% of a batch-64 job's time, profiled).
+        # keys and values in every layer (docs/architecture-core.md, Measurements: batched attention).
         span = last - first + 1 <= 2 * len(members)
         at = [where[s] - first for s in members] if span else list(range(len(members)))
         count, q = (last - first + 1 if span else len(members)), max(masks[s].shape[0] for s in members)
@@ -232,7 +233,8 @@ def _attention_groups(masks: list[torch.Tensor], pasts: list[int], where: list[i
             real[j, :rows] = True
         groups.append(_AttentionGroup(
             slots=slice(first, first + count) if span else torch.tensor([where[s] for s in members], device=device),
-            # An additive mask: CPU sdpa converts a bool mask at every call (~2x the time of the call)
+            # An additive mask: CPU sdpa converts a bool mask at every call, at a cost beyond the
+            # call's own (docs/architecture-core.md, Measurements: batched attention)
             count=count, q=q, width=width, pad=pad.reshape(-1).to(device),
             mask=torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min).repeat(1, share, 1)[:, None].to(device),
             flat=(torch.arange(count)[:, None] * q + torch.arange(q)[None, :])[real].to(device),

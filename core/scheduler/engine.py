@@ -20,7 +20,7 @@ loop over `step` that feeds it from an iterable (the jobs, `generate()`).
 
 In the slots, greedy output equals each sequence's own greedy decoding up to the rounding of
 different row counts (a near-tie may flip, as in HF's batched `generate()`). Llama-family models
-(Llama, Qwen2) with full attention.
+(`forward.ARCHITECTURES`) with full attention.
 """
 
 from __future__ import annotations

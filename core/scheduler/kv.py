@@ -92,8 +92,8 @@ class SlotStore:
     def ensure(self, slots: int, positions: int, most: int = 1) -> None:
         """Grow the cache to at least `slots` slots of `positions` positions (kept contents).
         Both grow by doubling (slots up to `most`, the batch size, and the KV budget): each growth copies
-        the whole cache, and growing one slot at a time took 0.74 s of an 11.5 s job (64 JFLEG
-        sentences, batch 32, profiled)."""
+        the whole cache, so growing one slot at a time is costly (docs/architecture-core.md,
+        Measurements: KV cache growth)."""
         have_s = self.keys[0].shape[0] if self.keys else 0
         have_p = self.keys[0].shape[2] if self.keys else 0
         if slots <= have_s and positions <= have_p:
@@ -115,10 +115,9 @@ class SlotStore:
 
     def _compute_prefix(self, prefix: list[int]) -> None:
         # Followed by filler rows up to PREFIX_ROWS: a prefix's KV does not depend on what follows
-        # it, but in bf16 its rounding depends on the call's row count, and a short call (the GEC
-        # instruction alone: 55 rows) rounds otherwise than a whole prompt's prefill (measured on
-        # Qwen2.5-0.5B in bf16, 48 JFLEG sentences: 44 outputs equal to HF greedy with the
-        # instruction in a 55-row call, 47 with 128 rows, 48 without a shared prefix).
+        # it, but in bf16 its rounding depends on the call's row count, and a short call rounds
+        # otherwise than a whole prompt's prefill, moving outputs away from greedy
+        # (docs/architecture-core.md, Measurements: shared prefix rows).
         rows = prefix + (prefix * PREFIX_ROWS)[: max(0, PREFIX_ROWS - len(prefix))]
         self.ensure(1, len(rows) + 1)
         packed.forward(self.model, self.backend, self.keys, self.values, [packed.Rows(0, rows)], [None], logits_rows=1)

@@ -8,8 +8,8 @@ Rounding: in fp32 the output is identical with and without the cache (tested), t
 bit on every CPU (on an AVX2-only one the cached rows' logits differ in the last bits), so a
 near-tie of the first token is decided by a whole-prompt prefill (`generate()`). In bf16 on CPU the
 matmuls of the few fresh rows round differently from those of a whole-prompt prefill, which can
-flip exact ties of the argmax later on (measured with smollm2-135m: 5 of 16 prompts); `specsuite
-bench rag` reports the rate for the model at hand.
+flip exact ties of the argmax later on (docs/architecture-core.md, Measurements: prefix cache in
+bf16); `specsuite bench rag` reports the rate for the model at hand.
 """
 
 from __future__ import annotations

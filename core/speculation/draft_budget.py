@@ -65,7 +65,8 @@ class StepCost:
 # A forward of more rows may cost a little less than one of fewer (kernel forms differ by shape),
 # never under CHEAPER_MORE of it; and one of r2 > r1 rows at most JUMP times r2/r1 one of r1 rows
 # (one call of k rows is never dearer than k calls of one row). A curve that breaks either was
-# timed while something else ran (docs/architecture-core.md).
+# timed while something else ran (docs/architecture-core.md, Measurements: step-cost curves that
+# cannot be right).
 CHEAPER_MORE = 0.8
 JUMP = 1.5
 
@@ -163,7 +164,8 @@ class GoodputCap:
     to the first rejection: a geometric model of acceptance), a cap of c nodes gains
     sum(a^i, i = 1..c) tokens and costs `cost(1 + c)`. An alternative to `draft.SizeLadder`, with
     the same interface, for kernels whose measured cost per row is known (the replays and A/B
-    runs behind it and its prior: docs/architecture-core.md, "Measurements behind the code")."""
+    runs behind it and its prior: docs/architecture-core.md, Measurements: `GoodputCap` and its
+    prior)."""
 
     def __init__(self, cost: StepCost, prior: float = 0.95) -> None:
         self.budget = DraftBudget(cost, prior)

@@ -18,8 +18,9 @@ class NgramIndex:
     """Where each 1..max_ngram-gram of one or more token lists ("sources") occurs, for O(1) lookups.
 
     Maps an n-gram to up to `max_positions` locations (source id, index just past an occurrence):
-    the first ones (`keep="first"`, as HF's prompt lookup picks; measured here on Spec-Bench
-    summaries, it drafts better than the latest) or the latest, latest first (`keep="last"`)."""
+    the first ones (`keep="first"`, as HF's prompt lookup picks, and it drafts better than the
+    latest: docs/architecture-core.md, Measurements: prompt lookup) or the latest, latest first
+    (`keep="last"`)."""
 
     def __init__(self, max_ngram: int, keep: str = "first", max_positions: int = 1) -> None:
         if keep not in ("first", "last"):
