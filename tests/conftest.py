@@ -20,7 +20,9 @@ def pytest_collection_modifyitems(items):
         for name in set(MARKED_FIXTURES) & set(getattr(item, "fixturenames", ())):
             item.add_marker(MARKED_FIXTURES[name])
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# The repository's root: the tests sit in folders mirroring the code, so paths start from here.
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session")

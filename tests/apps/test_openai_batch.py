@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from specsuite.apps.jobs import input_format, run_batch
+from conftest import REPO
 from test_jobs import FakeCorrector, fake_job, fix, kill_9_after, read_jsonl
 
-DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
+DEMO_CORPUS = REPO / "demos" / "corpus"
 
 
 def request(custom_id: str, text: str, model: str = "specsuite-gec", **body) -> str:

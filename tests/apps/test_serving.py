@@ -8,17 +8,16 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported
 
 import pytest
-from conftest import free_port
+from conftest import REPO, free_port
 
 from specsuite.apps.limits import Deadline, OverBudgetError, TimeBudgetExceeded
 from specsuite.apps.serving import UI_THREADS
 
-DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
+DEMO_CORPUS = REPO / "demos" / "corpus"
 QUESTION = "Who was the commander of Apollo 11?"
 ONE_LETTER = "x" * 200_000  # 200,000 characters of one letter
 NATURAL = "All work and no play makes Jack a dull boy. " * 3000  # ~30,000 tokens of natural text

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +21,10 @@ from specsuite.core.model.backend import choose_backend
 from specsuite.core.kernels.int8_linear import int8_runs
 from specsuite.core import PrefixCache, eos_token_ids, generate
 from specsuite.retrieval import PassageIndex, parse_specbench_rag
+from conftest import REPO
 
-RAG_DEV = Path(__file__).resolve().parents[1].parent / "shared/data/specbench/rag_dev.jsonl"
-DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
+RAG_DEV = REPO.parent / "shared/data/specbench/rag_dev.jsonl"
+DEMO_CORPUS = REPO / "demos" / "corpus"
 
 
 @pytest.fixture(scope="module")

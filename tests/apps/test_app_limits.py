@@ -6,16 +6,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported
 
 import pytest
-from conftest import free_port
+from conftest import REPO, free_port
 
 from specsuite.apps.limits import Deadline, InputError, TimeBudgetExceeded, check_k, check_text
 
-DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
+DEMO_CORPUS = REPO / "demos" / "corpus"
 QUESTION = "Who was the commander of Apollo 11?"
 SENTENCE = "She go to school yesterday ."
 HUGE = ("All work and no play makes Jack a dull boy. " * 5000)[:200_000]  # 200,000 characters

@@ -6,7 +6,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-CORE = Path(__file__).resolve().parents[1] / "core"
+from conftest import REPO
+
+CORE = REPO / "core"
 ORDER = {"scheduler": 0, "model": 1, "kernels": 2}  # a package imports only those after it
 
 

@@ -19,8 +19,9 @@ from specsuite.retrieval import (ChunkSettings, Chunker, CorruptIndexError, Docu
                                  load_documents, parse_specbench_rag)
 from specsuite.retrieval import cli as retrieval_cli
 from specsuite.retrieval import index as index_module
+from conftest import REPO
 
-DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
+DEMO_CORPUS = REPO / "demos" / "corpus"
 
 DOCS = [
     Document("volcano", "Volcanoes erupt molten rock called lava. Mount Etna in Sicily is one of the most "

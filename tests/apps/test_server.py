@@ -5,17 +5,16 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from conftest import free_port, serve_process
+from conftest import REPO, free_port, serve_process
 from specsuite.apps import limits, openai_api as api
 from specsuite.apps.limits import InputError
 
 openai = pytest.importorskip("openai")
 
-DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
+DEMO_CORPUS = REPO / "demos" / "corpus"
 TEXT = "She go to school yesterday and buyed a apple.\nHe have two cat."
 SENTENCES = ["I has a dog.", "They was happy.", "She go home.", "We is here now.", "He like apples.",
              "The cats is sleeping.", "I goes to work.", "You was right."]

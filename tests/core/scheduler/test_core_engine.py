@@ -13,7 +13,7 @@ import torch
 from specsuite.core import Draft, PromptLookupDrafter, Sampling
 from specsuite.core.speculation.draft_budget import DraftBudget, StepCost
 from specsuite.core.scheduler.engine import BatchEngine, Request, engine_supports, generate_many
-from conftest import OracleTreeDrafter, hf_greedy, model_for, prompts
+from conftest import REPO, OracleTreeDrafter, hf_greedy, model_for, prompts
 
 FLAT = StepCost({1: 1.0, 512: 1.0})  # rows cost nothing: every draft is verified whole
 
@@ -186,7 +186,8 @@ def test_step_cost_is_measured_once_and_kept(tmp_path):
 
 # ---- speculative sampling per sequence -----------------------------------------------------
 
-def test_sampling_per_sequence_keeps_the_distribution():
+def test_sampling_per_sequence_keeps_the_distribution(monkeypatch):
+    monkeypatch.syspath_prepend(REPO / "tests" / "core" / "speculation")  # test_core_sampling's folder
     from test_core_sampling import PROMPT, FixedDrafter, _e2e_draft, assert_matches, empirical, exact_two_tokens
     from test_core_sampling import tiny_model as sampling_model
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import pytest
-from conftest import free_port
+from conftest import REPO, free_port
 
 from specsuite.apps.rag.qa import RagQA, find_claims
 from specsuite.apps.rag.ui import answer_html, build_app, passages_html, stats_html
 
-DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demos" / "corpus"
+DEMO_CORPUS = REPO / "demos" / "corpus"
 QUESTION = "Where did the Apollo 11 crew launch from?"  # answered by copying the corpus (in fp32)
 
 
