@@ -11,7 +11,7 @@ import sys
 # return an exit code.
 COMMANDS = {"models": "specsuite.models_cli", "bench": "specsuite.bench.cli", "bench-ray": "specsuite.bench.ray_job",
             "step-cost": "specsuite.step_cost", "gec": "specsuite.apps.gec.cli", "rag": "specsuite.apps.rag.cli",
-            "serve": "specsuite.apps.server_cli", "bench-openai": "specsuite.bench.openai_server",
+            "serve": "specsuite.apps.serving.cli", "bench-openai": "specsuite.bench.openai_server",
             "eval": "specsuite.apps.eval_cli", "train": "specsuite.training.cli"}
 
 

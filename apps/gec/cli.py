@@ -16,7 +16,7 @@ from specsuite.apps import limits
 from specsuite.models import DEFAULT_MODEL
 
 from specsuite.adapters import describe_adapter
-from specsuite.apps.jobs import ResumeError, run_batch
+from specsuite.apps.jobs.runner import ResumeError, run_batch
 from .corrector import DEFAULT_BATCH_SIZE, DRAFTERS, Corrector, combine_stats, correction_worker, demo_sentences
 
 from .gleu import corpus_gleu, read_tokenized, tokenize
@@ -87,8 +87,8 @@ def _correct(args: argparse.Namespace) -> int:
 
 
 def _correct_on_ray(args: argparse.Namespace):
-    """The same job on a Ray cluster (apps/ray_jobs.py); BlockFailedError is a RuntimeError."""
-    from specsuite.apps.ray_jobs import run_ray_batch
+    """The same job on a Ray cluster (apps/jobs/ray_jobs.py); BlockFailedError is a RuntimeError."""
+    from specsuite.apps.jobs.ray_jobs import run_ray_batch
 
     settings = _settings(args)
     factory = functools.partial(correction_worker, **settings)  # pickled to every actor, which loads the model once

@@ -20,7 +20,7 @@ from specsuite.core.speculation.draft import Drafter
 from specsuite.core.scheduler.engine import BatchEngine, Request, engine_supports
 from specsuite.core.scheduler.generate import context_length
 from specsuite.apps.batching import decode_in_order
-from specsuite.apps.jobs import JobWorker
+from specsuite.apps.jobs.runner import JobWorker
 from specsuite.models import DEFAULT_MODEL, load_model
 
 from .drafter import CopyDrafter
@@ -144,7 +144,7 @@ class Corrector:
         return shared + sum(len(r.prompt) - shared for r in requests)
 
     def job_worker(self) -> JobWorker:
-        """This corrector as the worker of a batch job over a file (`apps/jobs.py`)."""
+        """This corrector as the worker of a batch job over a file (`apps/jobs/runner.py`)."""
         return JobWorker(self.correct_each, self.count_tokens, self.context_limit)
 
     def segments(self, text: str) -> list[Segment]:

@@ -28,8 +28,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 import gradio as gr
 
 from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, Deadline, InputError, TimeBudgetExceeded, admit, check_limit
-from specsuite.apps import serving
-from specsuite.apps.serving import UI_THREADS, BatchServer, wait
+from specsuite.apps.serving import batch_server as serving
+from specsuite.apps.serving.batch_server import UI_THREADS, BatchServer, wait
 from specsuite.core import TextPiece
 from specsuite.core.scheduler.engine import BatchEngine, engine_supports
 

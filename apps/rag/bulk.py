@@ -1,6 +1,6 @@
 """`specsuite rag answer`: answers to a file of questions, resumable, decoded in the batched engine.
 
-The apps' batch job (apps/jobs.py) with `RagQA.job_worker` as its worker: input `.txt` (a question
+The apps' batch job (apps/jobs/runner.py) with `RagQA.job_worker` as its worker: input `.txt` (a question
 a line) or `.jsonl` (the question in `field`), output `.jsonl`, one record per line in order:
 `{"line": N, <the input's other fields>, <Answer.to_record()>}` or `{"line": N, ..., "error": "..."}`.
 A bad line (empty, over the question limit, not JSON) is an error record; a kill at any point loses
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from specsuite.apps.jobs import BatchSummary, run_batch
+from specsuite.apps.jobs.runner import BatchSummary, run_batch
 
 from .qa import RagQA
 

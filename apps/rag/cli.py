@@ -74,7 +74,7 @@ def _ui(args: argparse.Namespace) -> int:
         qa = _load_qa(args, args.index_dir)
     except retrieval_cli._errors() as e:
         return retrieval_cli._fail(e)
-    from specsuite.apps.serving import UI_THREADS
+    from specsuite.apps.serving.batch_server import UI_THREADS
 
     from .ui import build_app
 
@@ -90,7 +90,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 
 def _answer(args: argparse.Namespace) -> int:
-    from specsuite.apps.jobs import ResumeError
+    from specsuite.apps.jobs.runner import ResumeError
 
     from .bulk import answer_file
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, Union
 
 from specsuite.apps.batching import decode_in_order
-from specsuite.apps.jobs import JobWorker
+from specsuite.apps.jobs.runner import JobWorker
 from specsuite.apps.limits import MAX_QUESTION_TOKENS, Deadline, InputError, admit, check_k, check_limit, check_text
 from specsuite.core import (
     DraftModelDrafter, Drafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece, eos_token_ids,
     generate, stream,
 )
-from specsuite.apps.serving import BatchServer
+from specsuite.apps.serving.batch_server import BatchServer
 from specsuite.core.speculation.draft import FallbackDrafter
 from specsuite.core.scheduler.engine import BatchEngine, Request
 from specsuite.core.scheduler.generate import context_length
@@ -303,7 +303,7 @@ class RagQA:
             return self._server
 
     def job_worker(self, k: int = 5, batch_size: int = 16) -> JobWorker:
-        """This app as the worker of a bulk job over a file of questions (`apps/jobs.py`)."""
+        """This app as the worker of a bulk job over a file of questions (`apps/jobs/runner.py`)."""
         return JobWorker(functools.partial(self.answer_each, k=k, batch_size=batch_size), self.count_tokens,
                          self.max_question_tokens)
 

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 import gradio as gr
 
 from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, InputError, TimeBudgetExceeded, check_limit
-from specsuite.apps.serving import warm_up as warm_up_app
+from specsuite.apps.serving.batch_server import warm_up as warm_up_app
 from specsuite.core import TextPiece
 
 from .qa import Claim, RagQA, Scored, passage_body

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from specsuite.apps.gec.cli import jfleg_tokens
-from specsuite.apps.jobs import run_batch
+from specsuite.apps.jobs.runner import run_batch
 from specsuite.apps.gec.corrector import DEFAULT_BATCH_SIZE, Corrector
 from specsuite.apps.gec.drafter import CopyDrafter
 from specsuite.apps.gec.gleu import corpus_gleu, read_tokenized, tokenize

@@ -12,7 +12,7 @@ import pytest
 
 from specsuite.apps.gec.corrector import Correction
 from specsuite.apps.gec.edits import word_diff
-from specsuite.apps.jobs import JobWorker, JsonlWriter, ResumeError, run_batch
+from specsuite.apps.jobs.runner import JobWorker, JsonlWriter, ResumeError, run_batch
 
 
 class FakeCorrector:
@@ -228,7 +228,7 @@ def fake_job(inp: Path, out: Path) -> subprocess.Popen:
         "import sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from test_jobs import FakeCorrector\n"
-        "from specsuite.apps.jobs import run_batch\n"
+        "from specsuite.apps.jobs.runner import run_batch\n"
         f"run_batch({str(inp)!r}, {str(out)!r}, lambda: FakeCorrector.worker(delay=0.05), progress=False)\n"
     )
     return subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -318,7 +318,7 @@ def test_resume_after_kill_9_with_a_batch_in_flight(tmp_path, smollm2_fp32):
     inp = write_lines(tmp_path / "in.txt", lines)
     out = tmp_path / "out.jsonl"
     script = (
-        "from specsuite.apps.jobs import run_batch\n"
+        "from specsuite.apps.jobs.runner import run_batch\n"
         "from specsuite.apps.gec.corrector import Corrector\n"
         f"run_batch({str(inp)!r}, {str(out)!r}, lambda: Corrector('smollm2-135m', dtype='fp32', max_new_tokens=24, "
         "batch_size=8).job_worker(), progress=False)\n"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specsuite.apps.jobs import input_format, run_batch
+from specsuite.apps.jobs.runner import input_format, run_batch
 from conftest import REPO
 from test_jobs import FakeCorrector, fake_job, fix, kill_9_after, read_jsonl
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from specsuite.apps import jobs as batch
-from specsuite.apps.jobs import run_batch
+from specsuite.apps.jobs import runner as batch
+from specsuite.apps.jobs.runner import run_batch
 from specsuite.apps.gec.corrector import Corrector, correction_worker
-from specsuite.apps.ray_jobs import BlockFailedError, count_lines, read_block, run_ray_batch, split_blocks
+from specsuite.apps.jobs.ray_jobs import BlockFailedError, count_lines, read_block, run_ray_batch, split_blocks
 
 if os.environ.get("CI"):  # CI installs the extra: a missing Ray is a failure there
     import ray

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import REPO, free_port, serve_process
-from specsuite.apps import limits, openai_api as api
+from specsuite.apps import limits
+from specsuite.apps.serving import openai_api as api
 from specsuite.apps.limits import InputError
 
 openai = pytest.importorskip("openai")
@@ -50,7 +51,7 @@ def demo_index():
 
 @pytest.fixture(scope="module")
 def server(smollm2_fp32, demo_index):
-    from specsuite.apps.server import ChatService, create_app
+    from specsuite.apps.serving.server import ChatService, create_app
 
     service = ChatService.from_loaded(*smollm2_fp32, demo_index, batch_size=8, model_name="smollm2-135m")
     url, stop = serve(create_app(service, allowed_hosts=limits.allowed_hosts(None, "127.0.0.1")))
@@ -230,7 +231,7 @@ def test_health_and_metrics(server, client):
 def test_the_loading_server_says_so():
     import httpx
 
-    from specsuite.apps.server import loading_app
+    from specsuite.apps.serving.server import loading_app
 
     url, stop = serve(loading_app("m"))
     try:
@@ -343,7 +344,7 @@ def test_an_api_key_guards_every_route_and_the_uis(smollm2_fp32):
 
     import httpx
 
-    from specsuite.apps.server import ChatService, create_app
+    from specsuite.apps.serving.server import ChatService, create_app
 
     service = ChatService.from_loaded(*smollm2_fp32, batch_size=2)
     url, stop = serve(create_app(service, ui=True, api_key="s3cret"))
@@ -385,7 +386,7 @@ def test_an_exposed_app_without_a_key_is_warned_about(monkeypatch):
 
 
 def test_a_request_over_its_time_budget_gets_408(smollm2_fp32):
-    from specsuite.apps.server import ChatService, create_app
+    from specsuite.apps.serving.server import ChatService, create_app
 
     service = ChatService.from_loaded(*smollm2_fp32, batch_size=2, time_budget_s=0.05)
     url, stop = serve(create_app(service, ui=False))
@@ -424,7 +425,7 @@ def test_callers_that_go_away_give_their_places_back(smollm2_fp32):
 
     import httpx
 
-    from specsuite.apps.server import ChatService, create_app
+    from specsuite.apps.serving.server import ChatService, create_app
 
     service = ChatService.from_loaded(*smollm2_fp32, batch_size=2, max_queue=2)
     url, stop = serve(create_app(service, ui=False))
@@ -485,7 +486,7 @@ def test_abusive_requests_are_refused_within_a_second_while_a_reply_streams(serv
 
 
 def test_a_full_server_answers_429(smollm2_fp32):
-    from specsuite.apps.server import ChatService, create_app
+    from specsuite.apps.serving.server import ChatService, create_app
 
     service = ChatService.from_loaded(*smollm2_fp32, batch_size=1, max_queue=0)
     url, stop = serve(create_app(service, ui=False))
@@ -537,7 +538,7 @@ def test_a_failed_batch_fails_its_requests_at_once_and_health_says_so(smollm2_fp
     is ready again."""
     import httpx
 
-    from specsuite.apps.server import ChatService, create_app
+    from specsuite.apps.serving.server import ChatService, create_app
 
     service = ChatService.from_loaded(*smollm2_fp32, demo_index, batch_size=4, model_name="smollm2-135m")
     url, stop = serve(create_app(service))

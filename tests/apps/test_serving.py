@@ -1,4 +1,4 @@
-"""Many callers on one running batch (apps/serving.py), each within its time budget, waiting for a
+"""Many callers on one running batch (apps/serving/batch_server.py), each within its time budget, waiting for a
 slot included; and the batched apps under concurrent gradio_client calls with hostile input among
 them (real apps launched in-process on the small model)."""
 
@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, free_port
 
 from specsuite.apps.limits import Deadline, OverBudgetError, TimeBudgetExceeded
-from specsuite.apps.serving import UI_THREADS
+from specsuite.apps.serving.batch_server import UI_THREADS
 
 DEMO_CORPUS = REPO / "demos" / "corpus"
 QUESTION = "Who was the commander of Apollo 11?"
@@ -46,7 +46,7 @@ def engine(smollm2):
 
 
 def test_a_request_queued_past_its_budget_leaves_the_queue_without_a_slot(smollm2, engine):
-    from specsuite.apps.serving import BatchServer
+    from specsuite.apps.serving.batch_server import BatchServer
     from specsuite.core.scheduler.engine import Request
 
     tok = smollm2[1]
@@ -67,7 +67,7 @@ def test_a_request_queued_past_its_budget_leaves_the_queue_without_a_slot(smollm
 
 
 def test_an_idle_batch_gives_its_kv_cache_back_and_answers_alike_after(smollm2, monkeypatch):
-    from specsuite.apps import serving
+    from specsuite.apps.serving import batch_server as serving
     from specsuite.core.scheduler.engine import BatchEngine, Request
 
     monkeypatch.setattr(serving, "IDLE_SHRINK_S", 0.3)
@@ -85,7 +85,7 @@ def test_an_idle_batch_gives_its_kv_cache_back_and_answers_alike_after(smollm2, 
 
 def test_a_running_request_stops_at_its_next_step(smollm2, engine):
     from specsuite.apps.limits import estimate_s
-    from specsuite.apps.serving import BatchServer
+    from specsuite.apps.serving.batch_server import BatchServer
     from specsuite.core.scheduler.engine import Request
 
     prompt = _prompt(smollm2[1], 20)
@@ -106,7 +106,7 @@ def test_a_running_request_stops_at_its_next_step(smollm2, engine):
 def test_each_step_admits_at_most_the_prompt_token_cap(smollm2):
     """Three 600-token prompts arriving together: two join the first step (1,200 >= 1,024, then
     no more), the third the next one, so the others' decode steps are not stalled by all of them."""
-    from specsuite.apps.serving import BatchServer
+    from specsuite.apps.serving.batch_server import BatchServer
     from specsuite.core.scheduler.engine import BatchEngine, Request
 
     engine = BatchEngine(smollm2[0], batch_size=4, draft_budget=False)
@@ -129,7 +129,7 @@ def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2)
     answer tokens, two requests fit together (0.5 + 10 x 0.1 s), three would not (2.0 s), so at
     most two are in the batch at once and the others wait for them; one whose budget is below what
     it needs alone (1.0 s) is refused at once without a slot."""
-    from specsuite.apps.serving import PRIOR_STEPS, BatchServer
+    from specsuite.apps.serving.batch_server import PRIOR_STEPS, BatchServer
     from specsuite.core.speculation.draft_budget import StepCost
     from specsuite.core.scheduler.engine import BatchEngine, Request
 
@@ -195,7 +195,7 @@ def test_huge_questions_are_refused_at_once_while_a_normal_call_is_answered(batc
     qa, url, client = batched_rag
     from gradio_client import Client
 
-    from specsuite.apps.serving import PRIOR_STEPS
+    from specsuite.apps.serving.batch_server import PRIOR_STEPS
 
     assert qa._server.steps != PRIOR_STEPS  # the warm-up question ran through the batch
     start = time.monotonic()

@@ -208,7 +208,7 @@ def test_sampling_per_sequence_keeps_the_distribution(monkeypatch):
 def test_server_batches_concurrent_callers_and_streams_steps():
     from concurrent.futures import ThreadPoolExecutor
 
-    from specsuite.apps.serving import BatchServer
+    from specsuite.apps.serving.batch_server import BatchServer
 
     model = model_for("qwen2")
     ps = prompts(6, seed=13)

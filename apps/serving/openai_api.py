@@ -1,6 +1,6 @@
 """The OpenAI chat-completions protocol, as pure functions: parse and check a request body, shape a
 response, a streamed chunk, an error, and the lines of an OpenAI Batch file. The server
-(`apps/server.py`) and the batch jobs (`apps/jobs.py`) both build their answers here, so a request
+(`apps/serving/server.py`) and the batch jobs (`apps/jobs/runner.py`) both build their answers here, so a request
 gets the same response body over HTTP and in a batch file.
 
 Models: `specsuite-gec` (the last user message is the text to correct; extra `edits`),

@@ -1,4 +1,4 @@
-"""`specsuite serve`: the OpenAI-compatible server (apps/server.py) on one model."""
+"""`specsuite serve`: the OpenAI-compatible server (apps/serving/server.py) on one model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`specsuite serve --ray ADDRESS --replicas N`: the server app (apps/server.py) as a Ray Serve
+"""`specsuite serve --ray ADDRESS --replicas N`: the server app (apps/serving/server.py) as a Ray Serve
 deployment. Each replica loads its own model and runs its own batch, with the same routes, key,
 limits and admission as one `specsuite serve` process; Ray Serve's proxy spreads the requests."""
 
@@ -12,8 +12,8 @@ import threading
 import ray
 from ray import serve
 
-from . import limits
-from .server_cli import build_app
+from specsuite.apps import limits
+from .cli import build_app
 
 APP_NAME = "specsuite"
 

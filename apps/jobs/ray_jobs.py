@@ -2,7 +2,7 @@
 
 The input (a path every node can read, e.g. shared storage) is split into blocks of consecutive
 lines, found by byte offset. A pool of Ray actors, each holding one loaded model, corrects the
-blocks with `jobs.process_lines`, the one-machine job's unit of work, so records and error
+blocks with `runner.process_lines`, the one-machine job's unit of work, so records and error
 records are the same. The driver commits each finished block as a part file under
 `OUTPUT.ray-parts/` (written with the one-machine job's writers, fsync'ed, then renamed) and, when
 every block is committed, concatenates the parts in line order into OUTPUT (and, for a `.txt`
@@ -34,8 +34,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .jobs import (BatchSummary, JobWorker, JsonlWriter, ResumeError, TextWriter, count_lines, input_format,
-                   process_lines, strip_line)
+from .runner import (BatchSummary, JobWorker, JsonlWriter, ResumeError, TextWriter, count_lines, input_format,
+                     process_lines, strip_line)
 
 # The default block size: about BLOCKS_PER_WORKER equal blocks per actor, so that the last ones
 # balance out, but at least MIN_BLOCK_LINES lines (twice the batched engine's default batch: a block

@@ -55,7 +55,7 @@ except ImportError:  # not POSIX: run without the lock
 
 from tqdm import tqdm
 
-from specsuite.apps import openai_api as api
+from specsuite.apps.serving import openai_api as api
 from specsuite.apps.limits import InputError
 
 

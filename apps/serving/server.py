@@ -33,14 +33,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from specsuite.apps import limits, openai_api as api
+from specsuite.apps import limits
+from specsuite.apps.serving import openai_api as api
 from specsuite.apps.gec.corrector import Corrector
 from specsuite.apps.gec.limits import check_source
 from specsuite.apps.limits import (Deadline, InputError, OverBudgetError, TimeBudgetExceeded, admit, check_limit,
                                    check_text)
 from specsuite.apps.rag.qa import RagQA
-from specsuite.apps.metrics import Metrics
-from specsuite.apps.serving import BatchServer, wait
+from specsuite.apps.serving.metrics import Metrics
+from specsuite.apps.serving.batch_server import BatchServer, wait
 from specsuite.core import Generation, PromptLookupDrafter, Sampling
 from specsuite.core.scheduler.engine import BatchEngine, Request
 from specsuite.core.scheduler.generate import context_length
