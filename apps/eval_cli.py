@@ -37,8 +37,8 @@ def _eval_rag(args: argparse.Namespace) -> int:
     bar.close()
     if args.out:
         Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in result.rows), encoding="utf-8")
-    print(f"{args.model}, adapter {describe_adapter(args.adapter, 'rag', args.model)}, {result.items} Spec-Bench RAG "
-          f"items, passages given")
+    print(f"{args.model}, adapter {describe_adapter(args.adapter, 'rag', args.model)}, backend {qa.backend.label}, "
+          f"{result.items} Spec-Bench RAG items, passages given")
     print(result.summary())
     return 0
 

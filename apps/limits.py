@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 DEFAULT_TIME_BUDGET_S = 180.0  # per web request, waiting for the model included
 MAX_K = 50  # passages per question
@@ -101,42 +102,51 @@ def token_limit_arg(text: str) -> int:
 _STEP_COST_LOCK = threading.Lock()
 
 
-def step_cost(model) -> Callable[[int], float] | None:
-    """Seconds of one engine forward by its rows on this machine, for this model (`StepCost`: the
-    core measures it once per machine, model and dtype and keeps it on disk), or None where the
-    batched engine does not run the model. The apps' one adapter to the core's measurement."""
+def step_cost(model, backend=None) -> Callable[[int], float] | None:
+    """Seconds of one engine forward by its rows on this machine, for this model on `backend` (the
+    one the app computes with; None: `choose_backend(model)`'s) (`StepCost`: the core measures it
+    once per machine, model, dtype and backend and keeps it on disk), or None where the batched
+    engine does not run the model. The apps' one adapter to the core's measurement."""
     with _STEP_COST_LOCK:  # the first callers at once (a server's first burst) wait for one measurement
-        return _step_cost(model)
+        return _step_cost(model, _ByLabel(backend, backend.label if backend is not None else None))
+
+
+@dataclass(frozen=True)
+class _ByLabel:
+    """A backend as a cache key: by its label (a Backend holds unhashable parts)."""
+
+    backend: object = field(compare=False)
+    label: str | None
 
 
 @functools.lru_cache(maxsize=8)
-def _step_cost(model) -> Callable[[int], float] | None:
+def _step_cost(model, backend: _ByLabel) -> Callable[[int], float] | None:
     from specsuite.core.scheduler.engine import BatchEngine, engine_supports
 
     if not engine_supports(model):
         return None
-    return BatchEngine(model, 1).budget.cost  # the measurement (or its checked kept copy)
+    return BatchEngine(model, 1, backend=backend.backend).budget.cost  # the measurement (or its checked kept copy)
 
 
-def estimate_s(model, prompt_tokens: int, answer_tokens: int = 1) -> float | None:
+def estimate_s(model, prompt_tokens: int, answer_tokens: int = 1, backend=None) -> float | None:
     """What a request costs on this machine alone on the model, at one token per step: its
     prompt's rows in one forward, then one one-row step per further answer token. None: no
     measurement. With the default of one answer token it is a lower bound (an answer may end at
     once), which `admit` uses: its answer budget is what it may take, not what it will."""
-    cost = step_cost(model)
+    cost = step_cost(model, backend)
     if cost is None:
         return None
     return cost(max(1, prompt_tokens)) + max(0, answer_tokens - 1) * cost(1)
 
 
-def admit(model, prompt_tokens: int, deadline: "Deadline") -> None:
+def admit(model, prompt_tokens: int, deadline: "Deadline", backend=None) -> None:
     """Refuse (OverBudgetError, naming the estimate and the budget) a request whose prompt alone
     cannot be read within what is left of its time budget on this machine (`estimate_s`); called
     before it is queued, before any model work."""
     left = deadline.remaining()
     if left is None:
         return
-    estimate = estimate_s(model, prompt_tokens)
+    estimate = estimate_s(model, prompt_tokens, backend=backend)
     if estimate is not None and estimate > left:
         raise OverBudgetError(
             f"this request would take at least {estimate:.1f} s on this machine (its prompt of {prompt_tokens:,} "

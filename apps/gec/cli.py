@@ -34,7 +34,7 @@ def _settings(args: argparse.Namespace) -> dict:
     exact, int8 = getattr(args, "exact", False), getattr(args, "int8", False)
     return {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "batch_size": 1 if exact else getattr(args, "batch_size", DEFAULT_BATCH_SIZE),
-            "backend": "int8" if int8 else "exact" if exact else "auto", "style": getattr(args, "style", "minimal"),
+            "backend": "int8" if int8 else "exact" if exact else "fast", "style": getattr(args, "style", "minimal"),
             "adapter": args.adapter}
 
 
@@ -163,7 +163,8 @@ def _eval(args: argparse.Namespace) -> int:
     src_tokens = [tokenize(s) for s in sources]
     refs_per_sentence = [list(r) for r in zip(*references)]
     if not args.corrections:
-        print(f"{args.model}, adapter {describe_adapter(args.adapter, 'gec', args.model)}")
+        print(f"{args.model}, adapter {describe_adapter(args.adapter, 'gec', args.model)}, "
+              f"backend {corrector.backend.label}")
     print(f"GLEU on {len(sources)} sentences, {len(args.refs)} references each")
     for name, hyps in (("corrections", hypotheses), ("source (no edits)", src_tokens)):
         g = corpus_gleu(src_tokens, refs_per_sentence, hyps)
@@ -209,7 +210,7 @@ def _demo(args: argparse.Namespace) -> int:
         speed = _speed_line({**s, "estimated_speedup": None}) if batched else _speed_line(s)
         print(f"    {speed}" + (" [truncated]" if correction.truncated else ""))
         plain += limits.estimate_s(corrector.model, s["prompt_tokens"] - s["cached_prompt_tokens"],
-                                   s["new_tokens"]) or 0.0
+                                   s["new_tokens"], corrector.backend) or 0.0
     wall = time.perf_counter() - start
     if batched and plain:
         print(f"\nthe batch (size {corrector.batch_size}): {i} sentences in {wall:.2f} s; plain decoding one after "
@@ -252,12 +253,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help=f"texts decoded together by the batched engine (default {DEFAULT_BATCH_SIZE}; ui: "
                    f"concurrent users' corrections, default {SERVE_BATCH_SIZE}; 1: one at a time, streamed)")
-    p.add_argument("--exact", action="store_true", help="one text at a time on the exact forward forms "
-                   "(backend exact), token for token what plain greedy decoding writes (the batched engine may "
-                   "differ on near-ties, as batched HF generate() does)")
+    p.add_argument("--exact", action="store_true", help="one text at a time on the model's own numerics (backend "
+                   "exact), token for token what its plain greedy decoding writes; the default runs the fast "
+                   "backend (int8 linear layers where this CPU's int8 kernel sums exactly, else the model's own)")
     p.add_argument("--int8", action="store_true", help="every linear layer in int8 (weights per channel, activations "
-                   "per row): fewer bytes a step, ~1.6x faster steps on qwen2.5-1.5b; with --exact token for token "
-                   "this backend's own greedy decoding, not bf16's (docs/exactness.md)")
+                   "per row), refused where this CPU's int8 kernel cannot sum exactly; the default already runs it "
+                   "where it can; with --exact one text at a time (docs/exactness.md)")
 
 
 EVAL_HELP = "GLEU and over-editing on a source file and its references (e.g. JFLEG dev)"

@@ -94,10 +94,11 @@ class Corrector:
 
     def __init__(self, model: str = DEFAULT_MODEL, drafter: str = "copy", dtype: str | None = None,
                  max_new_tokens: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-                 backend: str = "auto", style: str = "minimal", adapter: str | None = "auto") -> None:
-        """backend: how the forwards are computed (`core.backend.choose_backend`): "auto", or
-        "exact" for output token for token greedy's where `auto` would verify with plain bf16
-        calls (CPUs without AMX), at the cost of speed; "plain": the model's own forward.
+                 backend: str = "fast", style: str = "minimal", adapter: str | None = "auto") -> None:
+        """backend: how the forwards are computed (`core.backend.choose_backend`): "fast" (int8
+        where it runs on this CPU, else "auto"), "auto" (the model's own numerics, exact forms
+        where affordable), "exact" for output token for token the model's greedy, at the cost of
+        speed; "plain": the model's own forward.
         style: "minimal" edits (default) or "fluent" rewriting (`prompt.STYLES`).
         adapter: "auto" (the GEC adapter shipped for this preset, if any), "none" (the base
         model), or a folder written by `specsuite train gec`; merged into the weights at load."""

@@ -117,7 +117,7 @@ def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_B
         check_source(corrector, text)  # refused here, before waiting for the model
         segments = corrector.segments(text)
         requests = [corrector._request(s.text) for s in segments if s.text]
-        admit(corrector.model, corrector.prompt_tokens(requests), deadline)
+        admit(corrector.model, corrector.prompt_tokens(requests), deadline, corrector.backend)
         if server is not None:
             yield _batched(text, segments, requests, deadline)
             return

@@ -200,8 +200,9 @@ class RagQA:
     max_question_tokens: the longest question accepted (default: `limits.MAX_QUESTION_TOKENS`, or
         less where the model's context with the answer budget `max_new_tokens` holds less). Every entry point checks its input first (`validate`):
         a bad question or k is an InputError before any model work.
-    backend: a `choose_backend` kind: "auto" (default), "exact", "plain", or "int8" (every linear
-        layer in int8: answers are int8 greedy decoding's, not the model's own).
+    backend: a `choose_backend` kind: "auto" (default: RAG's ~1,000-token prompts prefill faster in
+        bf16 than in int8, docs/exactness.md), "fast", "exact", "plain", or "int8" (every linear layer
+        in int8: answers are int8 greedy decoding's, not the model's own).
     adapter: "auto" (the RAG adapter shipped for this preset, if any), "none" (the base model),
         or a folder written by `specsuite train rag`; merged into the weights at load.
     """
@@ -283,7 +284,7 @@ class RagQA:
         return FallbackDrafter(drafter, DraftModelDrafter(self.draft_model))
 
     def _generate(self, prompt: list[int], drafter: Drafter, deadline: Deadline, on_step=None) -> Generation:
-        admit(self.model, len(prompt), deadline)  # OverBudgetError before any model work
+        admit(self.model, len(prompt), deadline, self.backend)  # OverBudgetError before any model work
         if self.batch_size > 1:
             request = Request(prompt, drafter, max_new_tokens=self.max_new_tokens, on_step=deadline.on_step(on_step))
             return self._batch_server().run(request, deadline)

@@ -98,7 +98,7 @@ class BatchServer:
         self.engine = engine
         self.max_prompt_tokens = max_prompt_tokens
         # seconds of an engine step by its rows: the engine's own curve, else the measured one
-        self.cost = engine.budget.cost if engine.budget is not None else step_cost(engine.model)
+        self.cost = engine.budget.cost if engine.budget is not None else step_cost(engine.model, engine.store.backend)
         self.steps, self.rows = float(PRIOR_STEPS), 1.0  # per request; per sequence and step
         self._queue: queue.Queue[tuple[Request, Future, Deadline]] = queue.Queue()
         self._held: tuple[Request, Future, Deadline] | None = None  # the queue's head, until it keeps everyone in time

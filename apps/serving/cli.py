@@ -28,10 +28,11 @@ def build_app(args: argparse.Namespace):
 
         index = PassageIndex.load(args.index)
     service = ChatService.from_loaded(model, tokenizer, index, batch_size=args.batch_size,
+                                      backend="exact" if args.exact else "fast",
                                       time_budget_s=args.time_budget, max_queue=args.max_queue,
                                       model_name=args.model_name)
     if args.time_budget:
-        limits.step_cost(model)  # admission's cost estimate, measured before the port says ready
+        limits.step_cost(model, service.corrector.backend)  # admission's cost estimate, measured before the port says ready
     return service, create_app(service, ui=not args.no_ui, api_key=limits.api_key(args.api_key),
                                allowed_hosts=limits.allowed_hosts(args.allowed_hosts, args.host))
 
@@ -98,6 +99,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=_positive, default=1, help="with --ray: replicas, one model each (default 1)")
     p.add_argument("--replica-cpus", type=float, metavar="N",
                    help="with --ray: CPUs a replica takes (default: the cluster's CPUs shared among the replicas)")
+    p.add_argument("--exact", action="store_true", help="the model's own numerics (backend exact) instead of the "
+                   "default fast one (int8 linear layers where this CPU's int8 kernel sums exactly)")
     p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio apps at /gec and /rag")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)

@@ -94,8 +94,10 @@ class ChatService:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_loaded(cls, model, tokenizer, index=None, batch_size: int = DEFAULT_BATCH_SIZE, **options) -> ChatService:
-        corrector = Corrector.from_loaded(model, tokenizer, batch_size=batch_size)
+    def from_loaded(cls, model, tokenizer, index=None, batch_size: int = DEFAULT_BATCH_SIZE, backend: str = "auto",
+                    **options) -> ChatService:
+        """backend: a `choose_backend` kind (the `serve` command: "fast", or "exact" with --exact)."""
+        corrector = Corrector.from_loaded(model, tokenizer, batch_size=batch_size, backend=backend)
         qa = RagQA.from_loaded(model, tokenizer, index, batch_size=max(2, batch_size), backend=corrector.backend)
         return cls(corrector, qa, batch_size, **options)
 
@@ -215,7 +217,8 @@ class ChatService:
 
     def _submit(self, plan: Plan, deadline: Deadline, on_step: Callable[[int, list[int]], None] | None = None):
         """Every sequence of the plan into the batch, after the cost check (OverBudgetError); their Futures."""
-        admit(self.model, plan.prompt_tokens or sum(len(r.prompt) for r in plan.requests), deadline)
+        admit(self.model, plan.prompt_tokens or sum(len(r.prompt) for r in plan.requests), deadline,
+              self.corrector.backend)
         futures = []
         for i, request in enumerate(plan.requests):
             inner = None if on_step is None else (lambda tokens, flags, i=i: on_step(i, tokens))

@@ -145,7 +145,7 @@ def _groups(lengths: list[int]) -> list[list[int]]:
     as the padding stays within the same 16-key vector and the padded length is odd (its sums run
     16 lanes wide, its bf16 products in pairs). Found by experiment on torch's CPU kernel
     (docs/architecture-core.md, Measurements: grouped attention rows), checked on each machine by
-    `_grouping_is_exact` and tested in tests/test_core_generate.py. A row whose length ends a
+    `_grouping_is_exact` and tested in tests/core/scheduler/test_core_generate.py. A row whose length ends a
     vector cannot be padded: it runs alone."""
     by_vector: dict[int, list[int]] = {}
     alone: list[list[int]] = []

@@ -19,10 +19,10 @@ whether a prefix cache is lossless.
 - `plain-packed` (bf16 on the CPU): `plain`, with the draft rows and one-token steps on weights
   packed once (exact_linear.py's `packed_rows`); the prefill and one-token steps round as plain
   decoding's, draft rows as neither (as `plain`'s do).
-- `int8` (asked for, never chosen by "auto": its numerics are not the model's): every linear layer
-  in int8, weights per channel and activations per row (int8_linear.py); integer sums make every
-  row of any call round as a one-token step's, so output is identical to int8 greedy decoding,
-  and the weights stream half the bytes of bf16.
+- `int8`: every linear layer in int8, weights per channel and activations per row
+  (int8_linear.py); integer sums make every row of any call round as a one-token step's, so
+  output is identical to int8 greedy decoding, and the weights stream half the bytes of bf16.
+  Chosen by "fast" (the apps' default) where it runs; "auto" keeps the model's own numerics.
 
 Whatever the kind chosen for a bf16 model on the CPU, the batched engine computes every row of
 its forwards on packed weights where oneDNN runs on them (`engine_linear`): batched rows round as
@@ -72,7 +72,7 @@ AFFORDABILITY_ROWS = (1, 9, 17)
 # older timings stale (docs/architecture-core.md, Measurements: cost file versions).
 EXACT_VS_PLAIN = "exact-vs-plain v4"
 
-KINDS = ("auto", "exact", "plain", "int8")
+KINDS = ("fast", "auto", "exact", "plain", "int8")
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,8 @@ def plain_forms(dtype: torch.dtype) -> list[Backend]:
 
 def choose_backend(model, kind: str = "auto") -> Backend:
     """The backend for `model`: kind "exact" (the exact form for its dtype where one exists),
-    "plain", or "auto" (exact where affordable, see the module docstring). Choose once per loaded
+    "plain", "auto" (exact where affordable, see the module docstring), "int8", or "fast" (int8
+    where it runs on this CPU and model, else "auto": the fastest whose rows are exact). Choose once per loaded
     model and pass it on: the measurements it rests on are read from disk, but its packed weights
     and logit screen are made anew for each backend."""
     return _choose(model, kind).owned()
@@ -224,8 +225,10 @@ def _choose(model, kind: str) -> Backend:
     if kind not in KINDS:
         raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
     cpu = model.device.type == "cpu"
+    if kind == "fast":
+        kind = "int8" if int8_fits(model) else "auto"
     if kind == "int8":
-        if not (cpu and llama.supports(model) and model.dtype in (torch.bfloat16, torch.float32) and int8_runs()):
+        if not int8_fits(model):
             raise ValueError("the int8 backend needs a Llama-family model (Llama, Qwen2) in bf16 or fp32 on a CPU "
                              "whose oneDNN int8 kernel sums exactly (avx512_vnni or AMX)")
         return INT8
@@ -239,6 +242,13 @@ def _choose(model, kind: str) -> Backend:
     # a plain call repacks the weights every time (docs/architecture-core.md, Measurements: engine rows
     # on packed weights).
     return replace(backend, engine_linear=packed_rows) if packed_bf16_runs() else backend
+
+
+def int8_fits(model) -> bool:
+    """Whether the int8 backend runs `model`: forward.py's architectures in bf16 or fp32 on a CPU
+    whose int8 kernel sums exactly (`int8_runs`, checked once per process)."""
+    return (model.device.type == "cpu" and llama.supports(model)
+            and model.dtype in (torch.bfloat16, torch.float32) and int8_runs())
 
 
 def _bf16_backend(model, kind: str) -> Backend:

@@ -15,7 +15,7 @@ model's own cache). One step (`run`):
    the accepted path's KV (`store.keep`, the one rollback `kv.keep_path`);
 5. retire finished sequences (`store.release`); their slots take the next requests.
 
-Driven by `add_request` / `step` / `abort` (a server's loop, `apps/serving.py`), or by `run`, a
+Driven by `add_request` / `step` / `abort` (a server's loop, `apps/serving/batch_server.py`), or by `run`, a
 loop over `step` that feeds it from an iterable (the jobs, `generate()`).
 
 In the slots, greedy output equals each sequence's own greedy decoding up to the rounding of

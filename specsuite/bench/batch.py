@@ -97,7 +97,7 @@ class GecRuns:
 
 def run_gec_batch(model_name: str, data: Path, n: int, batch_sizes: list[int], max_new_tokens: int = 128,
                   dtype: str | None = None, refs: list[Path] | None = None, methods: list[str] | None = None,
-                  rounds: int = 1, backend: str = "auto", adapter: str = "auto") -> dict:
+                  rounds: int = 1, backend: str = "fast", adapter: str = "auto") -> dict:
     """The report of every method on the first `n` sentences of `data` (see the module docstring),
     every method on the model with the GEC `adapter` merged."""
     if rounds < 1:

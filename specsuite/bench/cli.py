@@ -166,11 +166,11 @@ def _summarize(runs: list[Run], greedy: list[Run], examples: list[Example], tok)
 def run_bench(task: str, model_name: str, data: Path, n: int, max_new_tokens: int = 128,
               draft_model_name: str | None = None, dtype: str | None = None,
               methods: list[str] | None = None, tie_margin: float | None = None,
-              prefix_cache: bool = True, backend: str = "auto", adapter: str = "auto") -> dict:
+              prefix_cache: bool = True, backend: str = "fast", adapter: str = "auto") -> dict:
     """Run every applicable method on the first `n` prompts of `data`; returns the JSON report.
     tie_margin: passed to our methods' `generate` (None: its default). prefix_cache: our methods
     reuse the KV of the prompts' shared start as the app does (`PREFIX_CACHES`; False: never).
-    backend: how our methods compute forwards (`core.backend`: auto, exact or plain). adapter: the
+    backend: how our methods compute forwards (a `core.backend` kind). adapter: the
     task's app adapter merged into the model every method runs (`load_model`; gec and rag)."""
     app = task if task in ("gec", "rag") else None
     model, tok = load_model(model_name, dtype=dtype, adapter=adapter if app else None, task=app)
@@ -387,10 +387,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", help="comma-separated subset of methods (hf_greedy always runs)")
     p.add_argument("--tie-margin", type=float, help="our methods: recompute rows whose top two logits are "
                    "closer than this (default: per dtype; 0 in bf16 with exact attention)")
-    p.add_argument("--backend", choices=KINDS, default="auto",
-                   help="how our methods compute verify forwards: exact forms, plain multi-row calls with a tie "
-                   "guard, auto (exact where they cost at most 15%% more; see `specsuite step-cost`), or int8 (every "
-                   "linear layer in int8: greedy is int8 greedy's; peers compare every row with it)")
+    p.add_argument("--backend", choices=KINDS, default="fast",
+                   help="how our methods compute verify forwards: fast (the apps' default: int8 where this CPU's "
+                   "int8 kernel sums exactly, else auto), exact forms, plain multi-row calls with a tie guard, auto "
+                   "(exact where they cost at most 15%% more; see `specsuite step-cost`), or int8 (every linear "
+                   "layer in int8: greedy is int8 greedy's; peers compare every row with it)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="gec: our methods compute the shared instruction for every sentence, as HF's do")
     p.add_argument("--batch-sizes", default="1,8,16,32", help="gec-batch: the batch sizes of HF generate() and of "

@@ -4,8 +4,9 @@ On the first N sentences of a file, the same GEC prompt token ids (`gec_prompt_i
 most `max_new_tokens` new tokens, 2 threads, one engine at a time:
 
 - `specsuite_one`: `generate()` one sentence at a time with copy drafts (what `gec correct
-  --exact` runs; its backend is named in the report: `exact-bf16` is token for token plain
-  greedy decoding, tested against HF `generate()`), the reference every row is compared with;
+  --batch-size 1` runs; its backend is named in the report and is token for token that backend's
+  own greedy decoding: `exact-bf16` plain greedy's, `int8` int8 greedy's), the reference every row
+  is compared with;
 - `specsuite_batchB`: the batched engine with B sequences in flight (what `gec correct` runs);
 - the peers of the anchors folder (`--anchors`, e.g. `../shared/anchors/`) where they are installed (its README sets them up): llama.cpp's
   `llama-server` (`llamacpp_npP`, with `_ngram-simple`: its n-gram speculation) with P parallel
@@ -32,7 +33,7 @@ ANCHORS_CACHE = Path.home() / ".cache" / "specsuite-anchors"
 
 
 def _our_runs(model_name: str, sentences: list[str], max_new_tokens: int, batch_sizes: list[int],
-              dtype: str | None, backend_kind: str = "auto") -> tuple[dict, set[int], str, int]:
+              dtype: str | None, backend_kind: str = "fast") -> tuple[dict, set[int], str, int]:
     """Our engine's configurations {name: run}, each warmed up, the EOS ids, the backend's label and
     torch's threads."""
     import torch
@@ -99,7 +100,7 @@ def _peer_calls(parallel: list[int], deciding_only: bool) -> list[tuple[list[str
 
 def run_peers(model_name: str, data: Path, n: int, anchors: Path, max_new_tokens: int = 128,
               parallel: list[int] = (1, 64), dtype: str | None = None, rounds: int = 1,
-              deciding_only: bool = False, backend: str = "auto") -> dict:
+              deciding_only: bool = False, backend: str = "fast") -> dict:
     """The report: for each round, every configuration's figures and its outputs' agreement with that
     round's `specsuite_one`, and our figures against each peer's of the same round.
     parallel: requests in flight: 1 is one at a time, each larger count is our batch size and the

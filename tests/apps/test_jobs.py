@@ -311,7 +311,10 @@ def test_two_runs_cannot_write_one_output(tmp_path):
 @pytest.mark.real_model
 def test_resume_after_kill_9_with_a_batch_in_flight(tmp_path, smollm2_fp32):
     """The real corrector with the batched engine (8 sentences in flight): killed after its first
-    records, rerun, the output equals an uninterrupted run's, every line once and in order."""
+    records, rerun, the output equals an uninterrupted run's, every line once and in order. On the
+    `auto` backend: fp32 rows with a tie guard decode alike in both processes; with the default
+    `fast` (int8) a batch's near-ties may fall otherwise when the draft budget differs between
+    processes (docs/exactness.md), which is not what this test is about."""
     from specsuite.apps.gec.corrector import Corrector
 
     lines = [f"This are sentence number {i} and it have some error ." for i in range(1, 25)]
@@ -321,13 +324,13 @@ def test_resume_after_kill_9_with_a_batch_in_flight(tmp_path, smollm2_fp32):
         "from specsuite.apps.jobs.runner import run_batch\n"
         "from specsuite.apps.gec.corrector import Corrector\n"
         f"run_batch({str(inp)!r}, {str(out)!r}, lambda: Corrector('smollm2-135m', dtype='fp32', max_new_tokens=24, "
-        "batch_size=8).job_worker(), progress=False)\n"
+        "batch_size=8, backend='auto').job_worker(), progress=False)\n"
     )
     kill_9_after(subprocess.Popen([sys.executable, "-c", script]), out, lines=1, within_s=300)
     written = out.read_bytes().count(b"\n")
     assert 1 <= written < len(lines)
     model, tok = smollm2_fp32
-    factory = lambda: Corrector.from_loaded(model, tok, max_new_tokens=24, batch_size=8).job_worker()  # noqa: E731
+    factory = lambda: Corrector.from_loaded(model, tok, max_new_tokens=24, batch_size=8, backend="auto").job_worker()  # noqa: E731
     summary = run_batch(inp, out, factory, progress=False)
     assert summary.skipped_resumed == written and summary.ok == len(lines)
     whole = tmp_path / "whole.jsonl"

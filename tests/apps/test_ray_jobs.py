@@ -59,9 +59,10 @@ def input_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(smollm2_fp32, input_file, tmp_path_factory) -> dict[str, Path]:
-    """The one-machine job's outputs (.txt with its sidecar, .jsonl) with the same model and dtype."""
+    """The one-machine job's outputs (.txt with its sidecar, .jsonl) with the same model, dtype and backend
+    (the commands' default, `fast`)."""
     out = tmp_path_factory.mktemp("ray_reference")
-    corrector = Corrector.from_loaded(*smollm2_fp32, max_new_tokens=MAX_NEW_TOKENS, batch_size=1)
+    corrector = Corrector.from_loaded(*smollm2_fp32, max_new_tokens=MAX_NEW_TOKENS, batch_size=1, backend="fast")
     paths = {suffix: out / f"ref{suffix}" for suffix in (".txt", ".jsonl")}
     for path in paths.values():
         run_batch(input_file, path, corrector.job_worker, progress=False)

@@ -62,7 +62,7 @@ def test_two_replicas_answer_with_the_key_routes_and_answers_of_one_process(smol
 
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(correct, SENTENCES * 3))
-    corrector = Corrector.from_loaded(*smollm2_fp32)
+    corrector = Corrector.from_loaded(*smollm2_fp32, backend="fast")
     assert [text for text, _ in answers] == [corrector.correct(s).text for s in SENTENCES * 3]
     assert len({replica for _, replica in answers}) == 2  # both replicas answered
 
@@ -92,7 +92,7 @@ def test_a_replica_killed_under_load_is_replaced_and_its_callers_get_an_error_no
 
     url, _ = replicas
     text = "\n".join(SENTENCES)
-    expected = Corrector.from_loaded(*smollm2_fp32).correct(text).text
+    expected = Corrector.from_loaded(*smollm2_fp32, backend="fast").correct(text).text
     before = replica_ids(url)
     assert len(before) == 2 and len(replica_pids()) == 2
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)

@@ -23,7 +23,7 @@ def test_gec_bench_compares_the_copy_drafter_with_hf_greedy(smollm2_fp32, jfleg,
     the shared instruction's KV as the app does, unless turned off."""
     monkeypatch.setattr(bench, "load_model", lambda name, dtype=None, adapter=None, task=None: smollm2_fp32)
     report = bench.run_bench("gec", "smollm2-135m", jfleg, n=3, max_new_tokens=12, methods=["spec_copy"],
-                             prefix_cache=prefix_cache)
+                             prefix_cache=prefix_cache, backend="auto")
     assert report["n"] == 3 and report["spec_prefix_cache"] is prefix_cache
     # the backend our methods ran is in the report (the logit screen where this CPU measured it to pay)
     assert report["backend"] == choose_backend(smollm2_fp32[0]).label and report["backend"].startswith("fp32-cpu")

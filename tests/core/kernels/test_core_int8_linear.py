@@ -94,3 +94,19 @@ def test_int8_is_refused_where_it_cannot_run_as_stated():
     model = tiny_model("llama", attn="eager")  # not a forward of core/model/forward.py
     with pytest.raises(ValueError, match="int8 backend needs"):
         choose_backend(model, "int8")
+
+
+def test_fast_is_int8_where_it_runs_and_the_models_own_numerics_elsewhere(monkeypatch):
+    """The apps' default kind: int8 where this CPU's int8 kernel sums exactly and the model is one
+    of forward.py's in bf16/fp32; otherwise what "auto" chooses (checked on both sides by
+    pretending the kernel check failed, so the test means the same on every CPU)."""
+    from specsuite.core.model import backend as backend_module
+
+    fp32, eager = tiny_model("llama"), tiny_model("llama", attn="eager")
+    assert choose_backend(eager, "fast").name == choose_backend(eager, "auto").name == "plain"
+    if backend_module.int8_runs():
+        assert choose_backend(fp32, "fast").name == "int8"
+    monkeypatch.setattr(backend_module, "int8_runs", lambda: False)
+    assert choose_backend(fp32, "fast").name == choose_backend(fp32, "auto").name
+    with pytest.raises(ValueError, match="int8 backend needs"):
+        choose_backend(fp32, "int8")

@@ -36,7 +36,7 @@ def test_each_dtype_and_attention_gets_its_kind():
     assert not choose_backend(bf16, "plain").lossless_prefix_cache
     assert choose_backend(tiny_model("llama").to(torch.float16)).name == "plain"
     with pytest.raises(ValueError, match="unknown backend"):
-        choose_backend(fp32, "fast")
+        choose_backend(fp32, "turbo")
 
 
 def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monkeypatch):
