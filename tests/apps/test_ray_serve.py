@@ -28,10 +28,12 @@ SENTENCES = ["I has a dog.", "They was happy.", "She go home.", "We is here now.
 
 @pytest.fixture(scope="module")
 def replicas(smollm2_fp32, tmp_path_factory):
-    """(base URL, process); `smollm2_fp32` first: the model is on disk before the replicas load it."""
+    """(base URL, process); `smollm2_fp32` first: the model is on disk before the replicas load it.
+    `--exact` (fp32 rows with a tie guard): replicas with one thread each answer as this process
+    does; int8 batches may split near-ties otherwise (docs/exactness.md)."""
     log = tmp_path_factory.mktemp("ray_serve") / "serve.log"
     proc, url = serve_process(log, "--ray", "local", "--replicas", "2", "--replica-cpus", "1", "--api-key", KEY,
-                              "--model", "smollm2-135m", "--dtype", "fp32", "--no-ui", "--batch-size", "4",
+                              "--model", "smollm2-135m", "--dtype", "fp32", "--exact", "--no-ui", "--batch-size", "4",
                               "--drain-timeout", "20", timeout=300)
     try:
         yield url, proc
@@ -62,7 +64,7 @@ def test_two_replicas_answer_with_the_key_routes_and_answers_of_one_process(smol
 
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(correct, SENTENCES * 3))
-    corrector = Corrector.from_loaded(*smollm2_fp32, backend="fast")
+    corrector = Corrector.from_loaded(*smollm2_fp32, backend="exact")
     assert [text for text, _ in answers] == [corrector.correct(s).text for s in SENTENCES * 3]
     assert len({replica for _, replica in answers}) == 2  # both replicas answered
 
@@ -92,7 +94,7 @@ def test_a_replica_killed_under_load_is_replaced_and_its_callers_get_an_error_no
 
     url, _ = replicas
     text = "\n".join(SENTENCES)
-    expected = Corrector.from_loaded(*smollm2_fp32, backend="fast").correct(text).text
+    expected = Corrector.from_loaded(*smollm2_fp32, backend="exact").correct(text).text
     before = replica_ids(url)
     assert len(before) == 2 and len(replica_pids()) == 2
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
