@@ -102,13 +102,13 @@ def token_limit_arg(text: str) -> int:
 _STEP_COST_LOCK = threading.Lock()
 
 
-def step_cost(model, backend=None) -> Callable[[int], float] | None:
+def step_cost(model, backend) -> Callable[[int], float] | None:
     """Seconds of one engine forward by its rows on this machine, for this model on `backend` (the
-    one the app computes with; None: `choose_backend(model)`'s) (`StepCost`: the core measures it
+    one the app computes with: another backend's cost would misjudge every request) (`StepCost`: the core measures it
     once per machine, model, dtype and backend and keeps it on disk), or None where the batched
     engine does not run the model. The apps' one adapter to the core's measurement."""
     with _STEP_COST_LOCK:  # the first callers at once (a server's first burst) wait for one measurement
-        return _step_cost(model, _ByLabel(backend, backend.label if backend is not None else None))
+        return _step_cost(model, _ByLabel(backend, backend.label))
 
 
 @dataclass(frozen=True)
@@ -116,19 +116,19 @@ class _ByLabel:
     """A backend as a cache key: by its label (a Backend holds unhashable parts)."""
 
     backend: object = field(compare=False)
-    label: str | None
+    label: str
 
 
 @functools.lru_cache(maxsize=8)
 def _step_cost(model, backend: _ByLabel) -> Callable[[int], float] | None:
-    from specsuite.core.scheduler.engine import BatchEngine, engine_supports
+    from specsuite.core.scheduler.engine import BatchEngine, EngineConfig, engine_supports
 
     if not engine_supports(model):
         return None
-    return BatchEngine(model, 1, backend=backend.backend).budget.cost  # the measurement (or its checked kept copy)
+    return BatchEngine(model, EngineConfig(1, backend=backend.backend)).budget.cost  # the measurement (or its checked kept copy)
 
 
-def estimate_s(model, prompt_tokens: int, answer_tokens: int = 1, backend=None) -> float | None:
+def estimate_s(model, prompt_tokens: int, backend, answer_tokens: int = 1) -> float | None:
     """What a request costs on this machine alone on the model, at one token per step: its
     prompt's rows in one forward, then one one-row step per further answer token. None: no
     measurement. With the default of one answer token it is a lower bound (an answer may end at
@@ -139,14 +139,14 @@ def estimate_s(model, prompt_tokens: int, answer_tokens: int = 1, backend=None) 
     return cost(max(1, prompt_tokens)) + max(0, answer_tokens - 1) * cost(1)
 
 
-def admit(model, prompt_tokens: int, deadline: "Deadline", backend=None) -> None:
+def admit(model, prompt_tokens: int, deadline: "Deadline", backend) -> None:
     """Refuse (OverBudgetError, naming the estimate and the budget) a request whose prompt alone
     cannot be read within what is left of its time budget on this machine (`estimate_s`); called
     before it is queued, before any model work."""
     left = deadline.remaining()
     if left is None:
         return
-    estimate = estimate_s(model, prompt_tokens, backend=backend)
+    estimate = estimate_s(model, prompt_tokens, backend)
     if estimate is not None and estimate > left:
         raise OverBudgetError(
             f"this request would take at least {estimate:.1f} s on this machine (its prompt of {prompt_tokens:,} "

@@ -8,7 +8,9 @@ Any local Hugging Face model directory works too, in place of a preset name.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -179,16 +181,23 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf.name} to safetensors (once; takes up to a minute)", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The dequantized weights are plain tensors now; a lingering quantizer would make
-    # save_pretrained write GGUF metadata that from_pretrained cannot read back.
-    model.hf_quantizer = None
-    model.config.quantization_config = None
-    if hasattr(model.config, "__dict__"):
-        model.config.__dict__.pop("quantization_config", None)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
+    # transformers' three progress bars of the conversion would follow ours: kept, and shown on failure only.
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            # The dequantized weights are plain tensors now; a lingering quantizer would make
+            # save_pretrained write GGUF metadata that from_pretrained cannot read back.
+            model.hf_quantizer = None
+            model.config.quantization_config = None
+            if hasattr(model.config, "__dict__"):
+                model.config.__dict__.pop("quantization_config", None)
+            model.save_pretrained(out_dir)
+            tok.save_pretrained(out_dir)
+    except BaseException:
+        sys.stderr.write(captured.getvalue()[-4000:])
+        raise
 
 
 def _copy_folder_member(preset: Preset, workdir: Path, out_dir: Path, downloader: Downloader) -> None:

@@ -22,7 +22,7 @@ import torch
 from specsuite.core.model.backend import EXACT_BF16, FP32_CPU, choose_backend, plain_backend, plain_forms
 from specsuite.core.model.calibration import measure_forward_costs
 from specsuite.core.speculation.draft_budget import costs_dir, forget_costs
-from specsuite.core.kernels.int8_linear import int8_runs
+from specsuite.core.kernels.int8_linear import int8_pays, int8_runs
 from specsuite.core.model import forward as llama
 from specsuite.models import DEFAULT_MODEL, load_model
 
@@ -35,7 +35,7 @@ def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5)
         exact = choose_backend(model, "exact")  # fp32: with the kernel forms measured for this model
         backends = ([exact] if exact.name in (EXACT_BF16.name, FP32_CPU.name) else []) + [
             b.owned() for b in plain_forms(model.dtype)]
-        if int8_runs():
+        if int8_pays() and int8_runs():  # a slow int8 kernel (e.g. AMD Zen 4) would take minutes here
             backends.append(choose_backend(model, "int8"))
     return measure_forward_costs(model, backends, rows, context, reps)
 

@@ -2,13 +2,14 @@
 directly or through another fixture, gets its marker (`-m "not real_model"` selects the fast tests)."""
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from specsuite.core import Draft, Drafter
+from specsuite.core import Draft, Drafter, DraftPolicy, choose_backend
 
 from specsuite.core.scheduler import kv
 
@@ -163,6 +164,14 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = N
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def policy(model, **changes) -> DraftPolicy:
+    """The draft policy `generate()` runs `model` with by default (its backend's), with `changes`;
+    a ladder of draft_sizes replaces the backend's measured step cost."""
+    if "draft_sizes" in changes:
+        changes.setdefault("draft_cost", None)
+    return replace(choose_backend(model).policy, **changes)
 
 
 def prompts(count: int, seed: int, vocab: int = VOCAB, lengths=(1, 24)) -> list[list[int]]:

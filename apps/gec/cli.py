@@ -17,6 +17,7 @@ from specsuite.models import DEFAULT_MODEL
 
 from specsuite.adapters import describe_adapter
 from specsuite.apps.jobs.runner import ResumeError, run_batch
+from specsuite.core.model.backend import requested_kind
 from .corrector import DEFAULT_BATCH_SIZE, DRAFTERS, Corrector, combine_stats, correction_worker, demo_sentences
 
 from .gleu import corpus_gleu, read_tokenized, tokenize
@@ -34,7 +35,7 @@ def _settings(args: argparse.Namespace) -> dict:
     exact, int8 = getattr(args, "exact", False), getattr(args, "int8", False)
     return {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "batch_size": 1 if exact else getattr(args, "batch_size", DEFAULT_BATCH_SIZE),
-            "backend": "int8" if int8 else "exact" if exact else "fast", "style": getattr(args, "style", "minimal"),
+            "backend": requested_kind(int8, exact, "fast"), "style": getattr(args, "style", "minimal"),
             "adapter": args.adapter}
 
 
@@ -210,7 +211,7 @@ def _demo(args: argparse.Namespace) -> int:
         speed = _speed_line({**s, "estimated_speedup": None}) if batched else _speed_line(s)
         print(f"    {speed}" + (" [truncated]" if correction.truncated else ""))
         plain += limits.estimate_s(corrector.model, s["prompt_tokens"] - s["cached_prompt_tokens"],
-                                   s["new_tokens"], corrector.backend) or 0.0
+                                   corrector.backend, s["new_tokens"]) or 0.0
     wall = time.perf_counter() - start
     if batched and plain:
         print(f"\nthe batch (size {corrector.batch_size}): {i} sentences in {wall:.2f} s; plain decoding one after "
@@ -255,10 +256,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    f"concurrent users' corrections, default {SERVE_BATCH_SIZE}; 1: one at a time, streamed)")
     p.add_argument("--exact", action="store_true", help="one text at a time on the model's own numerics (backend "
                    "exact), token for token what its plain greedy decoding writes; the default runs the fast "
-                   "backend (int8 linear layers where this CPU's int8 kernel sums exactly, else the model's own)")
+                   "backend (int8 linear layers where this CPU has a fast int8 kernel that sums exactly, else the "
+                   "model's own)")
     p.add_argument("--int8", action="store_true", help="every linear layer in int8 (weights per channel, activations "
                    "per row), refused where this CPU's int8 kernel cannot sum exactly; the default already runs it "
-                   "where it can; with --exact one text at a time (docs/exactness.md)")
+                   "where it is fast; with --exact one text at a time (docs/exactness.md)")
 
 
 EVAL_HELP = "GLEU and over-editing on a source file and its references (e.g. JFLEG dev)"

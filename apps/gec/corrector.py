@@ -17,7 +17,8 @@ from specsuite.core import Generation, PromptLookupDrafter, TextPiece, eos_token
 from specsuite.core import stream as stream_generation
 from specsuite.core.model.backend import KINDS, Backend, choose_backend
 from specsuite.core.speculation.draft import Drafter
-from specsuite.core.scheduler.engine import BatchEngine, Request, engine_supports
+from specsuite.core.scheduler.engine import BatchEngine, EngineConfig, Request, engine_supports
+from specsuite.core.scheduler.sequence import SamplingParams
 from specsuite.core.scheduler.generate import context_length
 from specsuite.apps.batching import decode_in_order
 from specsuite.apps.jobs.runner import JobWorker
@@ -201,13 +202,14 @@ class Corrector:
     def _batch_engine(self) -> BatchEngine:
         with self._engine_lock:
             if self._engine is None:
-                self._engine = BatchEngine(self.model, eos_token_id=self.eos, prefix=self.instruction,
-                                           backend=self.backend)
+                self._engine = BatchEngine(self.model, EngineConfig(prefix=self.instruction, backend=self.backend),
+                                           eos_token_id=self.eos)
             return self._engine
 
     def _request(self, text: str) -> Request:
         budget = self.max_new_tokens or 2 * self.count_tokens(text) + 16
-        return Request(gec_prompt_ids(self.tokenizer, text, self.style), self._make_drafter(text), max_new_tokens=budget)
+        return Request(gec_prompt_ids(self.tokenizer, text, self.style), self._make_drafter(text),
+                       SamplingParams(budget))
 
     def stream(self, text: str) -> Iterator[TextPiece | Correction]:
         """TextPieces of the correction as it is decoded (the whitespace between segments comes
@@ -234,7 +236,7 @@ class Corrector:
 
     def _generate(self, text: str, on_step=None) -> Generation:
         request = self._request(text)
-        return generate(self.model, request.prompt, request.drafter, max_new_tokens=request.max_new_tokens,
+        return generate(self.model, request.prompt, request.drafter, request.params,
                         eos_token_id=self.eos, on_step=on_step, prefix_cache=self.prefix_cache, backend=self.backend)
 
     def _stream_segment(self, text: str) -> Generator[TextPiece, None, Generation]:

@@ -31,7 +31,7 @@ from specsuite.apps.limits import DEFAULT_TIME_BUDGET_S, Deadline, InputError, T
 from specsuite.apps.serving import batch_server as serving
 from specsuite.apps.serving.batch_server import UI_THREADS, BatchServer, wait
 from specsuite.core import TextPiece
-from specsuite.core.scheduler.engine import BatchEngine, engine_supports
+from specsuite.core.scheduler.engine import BatchEngine, EngineConfig, engine_supports
 
 from .corrector import Correction, Corrector, demo_sentences
 from .limits import check_source
@@ -106,8 +106,8 @@ def build_app(corrector: Corrector, time_budget_s: float | None = DEFAULT_TIME_B
     model = threading.Lock()  # batch size 1: one correction at a time; others wait within their budget
     server = None
     if batch_size > 1 and engine_supports(corrector.model):
-        engine = BatchEngine(corrector.model, batch_size, eos_token_id=corrector.eos,
-                             prefix=corrector.instruction, backend=corrector.backend)
+        engine = BatchEngine(corrector.model, EngineConfig(batch_size, prefix=corrector.instruction, backend=corrector.backend),
+                             eos_token_id=corrector.eos)
         server = BatchServer(engine)
 
     def corrections(text: object) -> Iterator[TextPiece | Correction]:

@@ -40,7 +40,9 @@ def _load_qa(args: argparse.Namespace, index_dir: str | Path):
 def backend_kind(args: argparse.Namespace) -> str:
     """The `choose_backend` kind the model options ask for: --int8, --exact, else "auto" (RAG's long
     prompts prefill faster in bf16 than in int8, docs/exactness.md)."""
-    return "int8" if getattr(args, "int8", False) else "exact" if getattr(args, "exact", False) else "auto"
+    from specsuite.core.model.backend import requested_kind
+
+    return requested_kind(getattr(args, "int8", False), getattr(args, "exact", False), "auto")
 
 
 def _print_answer(answer) -> None:

@@ -27,7 +27,8 @@ from specsuite.core import (
 )
 from specsuite.apps.serving.batch_server import BatchServer
 from specsuite.core.speculation.draft import FallbackDrafter
-from specsuite.core.scheduler.engine import BatchEngine, Request
+from specsuite.core.scheduler.engine import BatchEngine, EngineConfig, Request
+from specsuite.core.scheduler.sequence import SamplingParams
 from specsuite.core.scheduler.generate import context_length
 from specsuite.models import DEFAULT_MODEL, load_model, model_name
 from specsuite.core.model.backend import Backend, choose_backend
@@ -286,7 +287,7 @@ class RagQA:
     def _generate(self, prompt: list[int], drafter: Drafter, deadline: Deadline, on_step=None) -> Generation:
         admit(self.model, len(prompt), deadline, self.backend)  # OverBudgetError before any model work
         if self.batch_size > 1:
-            request = Request(prompt, drafter, max_new_tokens=self.max_new_tokens, on_step=deadline.on_step(on_step))
+            request = Request(prompt, drafter, SamplingParams(self.max_new_tokens), on_step=deadline.on_step(on_step))
             return self._batch_server().run(request, deadline)
         deadline.acquire(self._lock)  # waits for another request's generation, within the budget
         try:
@@ -299,8 +300,8 @@ class RagQA:
     def _batch_server(self) -> BatchServer:
         with self._lock:
             if self._server is None:
-                self._server = BatchServer(BatchEngine(self.model, self.batch_size, eos_token_id=self.eos,
-                                                       backend=self.backend))
+                self._server = BatchServer(BatchEngine(self.model, EngineConfig(self.batch_size, backend=self.backend),
+                                                       eos_token_id=self.eos))
             return self._server
 
     def job_worker(self, k: int = 5, batch_size: int = 16) -> JobWorker:
@@ -318,13 +319,13 @@ class RagQA:
             question, _ = self.validate(question)
             scored, extra = self._retrieve_timed(question, k)
             prompt, drafter = self._request(question, scored)
-            return (question, scored, extra), [Request(prompt, drafter, max_new_tokens=self.max_new_tokens)]
+            return (question, scored, extra), [Request(prompt, drafter, SamplingParams(self.max_new_tokens))]
 
         def finish(asked: tuple[str, list[Scored], dict[str, Any]], generations: list[Generation]) -> Answer:
             question, scored, extra = asked
             return self._finish(question, scored, generations[0], extra)
 
-        engine = BatchEngine(self.model, batch_size, eos_token_id=self.eos, backend=self.backend)
+        engine = BatchEngine(self.model, EngineConfig(batch_size, backend=self.backend), eos_token_id=self.eos)
         return decode_in_order(engine, questions, plan, finish)
 
     def _finish(self, question: str, scored: list[Scored], generation: Generation,

@@ -220,7 +220,7 @@ class _Plan:
 
     @property
     def steps(self) -> float:
-        return min(self.steps_each, self.request.max_new_tokens)
+        return min(self.steps_each, self.request.params.max_new_tokens)
 
     def _step_s(self, sequences: int) -> float:
         return self.cost(max(1, round(sequences * self.rows)))

@@ -27,8 +27,10 @@ def build_app(args: argparse.Namespace):
         from specsuite.retrieval import PassageIndex
 
         index = PassageIndex.load(args.index)
+    from specsuite.core.model.backend import requested_kind
+
     service = ChatService.from_loaded(model, tokenizer, index, batch_size=args.batch_size,
-                                      backend="exact" if args.exact else "fast",
+                                      backend=requested_kind(False, args.exact, "fast"),
                                       time_budget_s=args.time_budget, max_queue=args.max_queue,
                                       model_name=args.model_name)
     if args.time_budget:
@@ -100,7 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-cpus", type=float, metavar="N",
                    help="with --ray: CPUs a replica takes (default: the cluster's CPUs shared among the replicas)")
     p.add_argument("--exact", action="store_true", help="the model's own numerics (backend exact) instead of the "
-                   "default fast one (int8 linear layers where this CPU's int8 kernel sums exactly)")
+                   "default fast one (int8 linear layers where this CPU has a fast int8 kernel that sums exactly)")
     p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio apps at /gec and /rag")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)

@@ -43,7 +43,8 @@ from specsuite.apps.rag.qa import RagQA
 from specsuite.apps.serving.metrics import Metrics
 from specsuite.apps.serving.batch_server import BatchServer, wait
 from specsuite.core import Generation, PromptLookupDrafter, Sampling
-from specsuite.core.scheduler.engine import BatchEngine, Request
+from specsuite.core.scheduler.engine import BatchEngine, EngineConfig, Request
+from specsuite.core.scheduler.sequence import SamplingParams
 from specsuite.core.scheduler.generate import context_length
 from specsuite.core.scheduler.streaming import StreamClosed
 from specsuite import models
@@ -84,8 +85,8 @@ class ChatService:
         self.model_name = model_name or models.model_name(self.model)
         self.time_budget_s = check_limit(time_budget_s, "the time budget")
         # GEC's instruction is the shared prefix: computed once, copied into each GEC slot.
-        engine = BatchEngine(self.model, batch_size, eos_token_id=corrector.eos, prefix=corrector.instruction,
-                             backend=corrector.backend)
+        engine = BatchEngine(self.model, EngineConfig(batch_size, prefix=corrector.instruction, backend=corrector.backend),
+                             eos_token_id=corrector.eos, tokenizer=self.tokenizer)
         self.batch = BatchServer(engine)
         qa._server = self.batch  # the RAG UI's requests join the same batch (RagQA with batch_size > 1)
         self.max_requests, self.batch_size = batch_size + max_queue, batch_size
@@ -143,14 +144,13 @@ class ChatService:
             raise UnknownModel(f"the model {req.model!r} does not exist; this server has {', '.join(self.models)}")
         sampling = Sampling(req.temperature, top_p=req.top_p) if req.temperature else None
         generator = torch.Generator().manual_seed(req.seed) if sampling and req.seed is not None else None
-        plan.requests = [dataclasses.replace(r, sampling=sampling, generator=generator,
-                                             max_new_tokens=min(r.max_new_tokens, req.max_tokens or r.max_new_tokens),
-                                             stop_strings=tuple(req.stop), tokenizer=self.tokenizer)
-                         for r in plan.requests]
+        plan.requests = [dataclasses.replace(r, params=SamplingParams(
+                             min(r.params.max_new_tokens, req.max_tokens or r.params.max_new_tokens),
+                             sampling, generator, tuple(req.stop))) for r in plan.requests]
         store = self.batch.engine.store
         for r in plan.requests:  # refused now, not after the batch drained for it
-            if not store.fits(len(r.prompt) + r.max_new_tokens):
-                raise InputError(f"this request needs {len(r.prompt) + r.max_new_tokens:,} tokens of KV cache, more "
+            if not store.fits(len(r.prompt) + r.params.max_new_tokens):
+                raise InputError(f"this request needs {len(r.prompt) + r.params.max_new_tokens:,} tokens of KV cache, more "
                                  f"than the server's KV budget of {store.kv_budget_bytes / 2**30:.1f} GiB holds for one "
                                  "sequence: ask for fewer max_tokens or send a shorter input")
         return plan
@@ -189,7 +189,7 @@ class ChatService:
         def finish(generations: list[Generation]) -> api.Reply:
             return api.reply_of(self.qa._finish(question, scored, generations[0], extra))
 
-        request = Request(prompt, drafter, max_new_tokens=self.qa.max_new_tokens)
+        request = Request(prompt, drafter, SamplingParams(self.qa.max_new_tokens))
         return Plan([request], lambda tokens, done: self._text(tokens[0]), finish)
 
     def _plan_chat(self, req: api.ChatRequest) -> Plan:
@@ -207,7 +207,7 @@ class ChatService:
             stats = {**s.as_dict(), "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens}
             return api.Reply(self._text(g.tokens), "length" if g.finish_reason in ("length", "context") else "stop", stats)
 
-        return Plan([Request(prompt, PromptLookupDrafter(), max_new_tokens=budget)],
+        return Plan([Request(prompt, PromptLookupDrafter(), SamplingParams(budget))],
                     lambda tokens, done: self._text(tokens[0]), finish)
 
     def _text(self, tokens: list[int]) -> str:

@@ -3,9 +3,10 @@ at every row count, for the `int8` backend (backend.py).
 
 A bf16 matmul rounds some outputs according to the call's shape (exact_linear.py), so its exact
 forms must compute draft rows as one-row calls would. Here the sums are integer sums: a row's
-int8 activations times the int8 weights, summed exactly in int32 by oneDNN's s8s8 kernel, then
-scaled elementwise (the weight's channel scale in the kernel, the row's scale and the bias after
-it). Nothing in that depends on the other rows of the call, so a verify forward of any number of
+int8 activations times the int8 weights, summed exactly in int32, then
+scaled elementwise (the weight's channel scale, then the row's scale and the bias). The kernel is
+oneDNN's packed s8 matmul or ATen's `_int_mm`, whichever sums exactly and is fast here (`int8_kernel`,
+once per process). Nothing in that depends on the other rows of the call, so a verify forward of any number of
 rows, a prefill, or a batched engine step computes each row's projection bit for bit as a one-token
 step does, in one call on weights packed once. And the int8 weights are half the bf16 bytes, so
 a step streams less (docs/architecture-core.md, Measurements: int8 calls).
@@ -20,6 +21,7 @@ every row count a forward uses (on CPUs without VNNI, u8 x s8 pairs may saturate
 from __future__ import annotations
 
 import functools
+import time
 from typing import NamedTuple
 
 import torch
@@ -56,11 +58,13 @@ class Int8Weights(PackedWeights):
 
 
 class Int8Weight(NamedTuple):
-    """A weight in int8, packed for oneDNN, with its fp32 channel scales and (zero) zero points."""
+    """A weight in int8 in `kernel`'s form (oneDNN: packed; ATen: (out, in) as it is), with its fp32
+    channel scales and (zero) zero points."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     zero_points: torch.Tensor
+    kernel: str = "onednn"
 
 
 def _quantized_weight(weight: torch.Tensor) -> Int8Weight:
@@ -73,7 +77,12 @@ def _quantized_weight(weight: torch.Tensor) -> Int8Weight:
         rows = slice(start, start + QUANTIZE_ROWS)
         block = w[rows].to(torch.float32, copy=True)  # a copy: scaled in place (an fp32 weight's rows are no copy)
         q[rows] = block.div_(scale[rows, None]).round_().clamp_(-QMAX, QMAX)  # integers: exact in int8
-    return Int8Weight(torch.ops.onednn.qlinear_prepack(q, None), scale, torch.zeros(w.shape[0], dtype=torch.long))
+    return _packed(q, scale, int8_kernel() or "onednn")
+
+
+def _packed(q: torch.Tensor, scale: torch.Tensor, kernel: str) -> Int8Weight:
+    packed = torch.ops.onednn.qlinear_prepack(q, None) if kernel == "onednn" else q
+    return Int8Weight(packed, scale, torch.zeros(q.shape[0], dtype=torch.long), kernel)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +95,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _int8_call(q: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """The int32 sums of q (m, in) x the packed weight, times each channel's scale: (m, out) fp32."""
+    if weight.kernel == "aten":
+        return torch._int_mm(q, weight.packed.t()).float().mul_(weight.scale)
     rows = q.shape[0]
     if rows < MIN_ROWS:  # zero rows change no other row's integer sums
         q = torch.cat([q, q.new_zeros(MIN_ROWS - rows, q.shape[1])])
@@ -103,20 +114,78 @@ def int8_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int, weights: Int8
     return y.to(x.dtype)[None]
 
 
+# The int8 kernels, in order of preference: oneDNN's s8 x s8 matmul on weights packed once (fast
+# with AMX), ATen's `_int_mm` (oneDNN's s8 gemm; fast on avx512_vnni CPUs without AMX, where the
+# first falls back to a reference kernel: ~180 ms a call on an AMD Zen 4, docs/exactness.md, int8).
+KERNELS = ("onednn", "aten")
+
+
 @functools.cache
+def int8_kernel() -> str | None:
+    """The int8 kernel this process uses: the first of KERNELS that gives the exact integer sums
+    here (`_sums_exactly`) and is fast (`_pays`), else the first that is exact, else None. Chosen
+    once per process, before any weight is quantized."""
+    exact = [k for k in KERNELS if _pays(k) and _sums_exactly(k)]
+    if exact:
+        return exact[0]
+    return next((k for k in KERNELS if _sums_exactly(k)), None)
+
+
 def int8_runs() -> bool:
-    """Whether oneDNN's int8 kernel runs here and gives the exact integer sums at 1..40 rows and
-    at a prefill's row count (checked once on random integers against float64 sums)."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
-        return False
+    """Whether an int8 kernel gives the exact integer sums here (the `int8` backend runs)."""
+    return int8_kernel() is not None
+
+
+def int8_pays() -> bool:
+    """Whether this process's int8 kernel is also fast here (the `fast` kind takes it)."""
+    kernel = int8_kernel()
+    return kernel is not None and _pays(kernel)
+
+
+def _random_weight(out_features: int, in_features: int, kernel: str) -> Int8Weight:
     gen = torch.Generator().manual_seed(0)
-    out_features, in_features = 160, 4864  # wide enough for the kernel to block the input
+    q = torch.randint(-QMAX, QMAX + 1, (out_features, in_features), generator=gen, dtype=torch.int8)
+    return _packed(q, torch.ones(out_features), kernel)
+
+
+@functools.cache
+def _sums_exactly(kernel: str) -> bool:
+    """Whether `kernel` gives the exact integer sums at 1..40 rows and at a prefill's row count
+    (random integers against float64 sums; on CPUs without VNNI, u8 x s8 pairs may saturate in
+    16 bits)."""
+    if kernel == "onednn" and not (torch.backends.mkldnn.is_available()
+                                   and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        return False
+    gen = torch.Generator().manual_seed(1)
     try:
-        w = torch.randint(-QMAX, QMAX + 1, (out_features, in_features), generator=gen, dtype=torch.int8)
-        x = torch.randint(-QMAX, QMAX + 1, (300, in_features), generator=gen, dtype=torch.int8)
-        weight = Int8Weight(torch.ops.onednn.qlinear_prepack(w, None), torch.ones(out_features),
-                            torch.zeros(out_features, dtype=torch.long))
+        weight = _random_weight(160, 4864, kernel)  # wide enough for the kernel to block the input
+        w = weight.packed if kernel == "aten" else _random_weight(160, 4864, "aten").packed
+        x = torch.randint(-QMAX, QMAX + 1, (300, 4864), generator=gen, dtype=torch.int8)
         exact = (x.double() @ w.double().T).float()
         return all(torch.equal(_int8_call(x[:m], weight), exact[:m]) for m in (*range(1, 41), 300))
-    except (RuntimeError, NotImplementedError):  # oneDNN without an int8 kernel for this CPU
+    except (RuntimeError, NotImplementedError):  # no int8 kernel of that kind for this CPU
         return False
+
+
+@functools.cache
+def _pays(kernel: str) -> bool:
+    """Whether `kernel` is fast here: a 4-row call on a 4864 x 896 int8 weight takes at most twice
+    the same call in bf16 (`F.linear`), fastest of 10 alternated timings after a warm-up. The
+    margin keeps the choice, and so the numerics, the same from one process to the next: where an
+    int8 kernel is fast it took 0.3-0.6x bf16 here, where it is not ~700x (docs/exactness.md, int8)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(MIN_ROWS, 896, generator=gen)
+    bf16_x, bf16_weight = x.bfloat16(), torch.randn(4864, 896, generator=gen).bfloat16()
+    try:
+        q, weight = quantize_rows(x)[0], _random_weight(4864, 896, kernel)
+        calls = {"int8": lambda: _int8_call(q, weight), "bf16": lambda: torch.nn.functional.linear(bf16_x, bf16_weight)}
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for rep in range(11):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                if rep:
+                    times[name].append(time.perf_counter() - start)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return min(times["int8"]) <= 2 * min(times["bf16"])

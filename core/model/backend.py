@@ -22,7 +22,7 @@ whether a prefix cache is lossless.
 - `int8`: every linear layer in int8, weights per channel and activations per row
   (int8_linear.py); integer sums make every row of any call round as a one-token step's, so
   output is identical to int8 greedy decoding, and the weights stream half the bytes of bf16.
-  Chosen by "fast" (the apps' default) where it runs; "auto" keeps the model's own numerics.
+  Chosen by "fast" (the apps' default) where it runs and is fast; "auto" keeps the model's own numerics.
 
 Whatever the kind chosen for a bf16 model on the CPU, the batched engine computes every row of
 its forwards on packed weights where oneDNN runs on them (`engine_linear`): batched rows round as
@@ -44,11 +44,11 @@ from transformers import DynamicCache
 
 from .calibration import calibrated, forward_times
 from ..speculation.draft import Draft
-from ..speculation.draft_budget import StepCost, cost_file
+from ..speculation.draft_budget import DraftPolicy, StepCost, cost_file
 from . import forward as llama
 from ..kernels.exact_linear import (FP32_FORMS, Fp32Forms, FP32_ROW_BUCKETS, PLAIN_ROWS, PackedWeights, bf16_rows,
                                     fp32_linear, packed_bf16_runs, packed_rows, short_call_rows)
-from ..kernels.int8_linear import Int8Weights, int8_rows, int8_runs
+from ..kernels.int8_linear import Int8Weights, int8_pays, int8_rows, int8_runs
 from ..kernels.logit_screen import LogitScreen
 from ..kernels.row_plan import RowPlan
 from ..speculation.verify import tree_attention_mask
@@ -115,6 +115,11 @@ class Backend:
         """This backend with a `store` of its own (`packed`: the weights in the form its kernels
         run on), made as its forwards need them."""
         return replace(self, packed=self.store()) if self.linear is not None or self.engine_linear is not None else self
+
+    @property
+    def policy(self) -> DraftPolicy:
+        """The draft policy of `generate()` on this backend."""
+        return DraftPolicy(self.tie_margin, self.draft_sizes, self.prefill_draft, self.draft_cost)
 
     @property
     def label(self) -> str:
@@ -215,10 +220,15 @@ def plain_forms(dtype: torch.dtype) -> list[Backend]:
 def choose_backend(model, kind: str = "auto") -> Backend:
     """The backend for `model`: kind "exact" (the exact form for its dtype where one exists),
     "plain", "auto" (exact where affordable, see the module docstring), "int8", or "fast" (int8
-    where it runs on this CPU and model, else "auto": the fastest whose rows are exact). Choose once per loaded
+    where it runs on this CPU and model and its kernel is fast here, `int8_pays`, else "auto"). Choose once per loaded
     model and pass it on: the measurements it rests on are read from disk, but its packed weights
     and logit screen are made anew for each backend."""
     return _choose(model, kind).owned()
+
+
+def requested_kind(int8: bool, exact: bool, default: str) -> str:
+    """The kind a command's flags ask for: --int8, else --exact, else the app's default."""
+    return "int8" if int8 else "exact" if exact else default
 
 
 def _choose(model, kind: str) -> Backend:
@@ -226,7 +236,7 @@ def _choose(model, kind: str) -> Backend:
         raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
     cpu = model.device.type == "cpu"
     if kind == "fast":
-        kind = "int8" if int8_fits(model) else "auto"
+        kind = "int8" if int8_pays() and int8_fits(model) else "auto"
     if kind == "int8":
         if not int8_fits(model):
             raise ValueError("the int8 backend needs a Llama-family model (Llama, Qwen2) in bf16 or fp32 on a CPU "

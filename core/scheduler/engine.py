@@ -29,6 +29,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from ..model import forward
 from ..model.calibration import slot_step_cost
 from ..speculation.draft import Draft
 from ..model.backend import Backend
-from ..speculation.draft_budget import DraftBudget, StepCost
+from ..speculation.draft_budget import DraftBudget, DraftPolicy, StepCost
 from .kv import KVStore, SlotStore
 from .sequence import Generation, Request, Sequence, context_length, eos_token_ids
 from ..speculation.verify import top_two
@@ -48,24 +49,39 @@ def engine_supports(model) -> bool:
     return forward.supports(model)
 
 
+@dataclass
+class EngineConfig:
+    """How an engine runs. batch_size: sequences in flight. kv_budget_bytes: sequences wait for a
+    slot rather than grow the KV cache beyond this. prefix: token ids most prompts start with,
+    whose KV is computed once and copied into each slot. backend: how the forwards are computed
+    (None: `choose_backend(model)`, chosen once by the engine). draft_budget: cap every step's
+    drafts by the measured step cost and each slot's acceptance (`DraftBudget`; False: every
+    draft whole). policy: each sequence's own draft policy (`generate()` runs its backend's)."""
+
+    batch_size: int = 16
+    kv_budget_bytes: int = 4 << 30
+    prefix: list[int] | None = None
+    backend: Backend | None = None
+    draft_budget: bool = True
+    policy: DraftPolicy = DraftPolicy()
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+
 class BatchEngine:
-    """Decodes many requests with continuous batching (see the module docstring).
+    """Decodes many requests with continuous batching (see the module docstring), as `config` says.
 
-    batch_size: sequences in flight. store: where their KV lives (default: a `SlotStore` of
-    `prefix`, token ids most prompts start with whose KV is computed once and copied into each
-    slot, `kv_budget_bytes` and `backend`, how its forwards are computed: default
-    `choose_backend(model)`). cost: the step cost curve of the slots (default: measured once
-    per machine and model, `calibration.slot_step_cost`); draft_budget=False turns the cap off
-    (every draft whole). eos_token_id None: `eos_token_ids(model, tokenizer)`."""
+    store: where the sequences' KV lives (default: a `SlotStore` of the config's prefix, KV budget
+    and backend). cost: the step cost curve of the slots (default: measured once per machine and
+    model, `calibration.slot_step_cost`). eos_token_id None: `eos_token_ids(model, tokenizer)`;
+    the tokenizer also finds requests' stop strings."""
 
-    def __init__(self, model, batch_size: int = 16, *, eos_token_id: int | Iterable[int] | None = None,
-                 prefix: list[int] | None = None, kv_budget_bytes: int = 4 << 30,
-                 cost: StepCost | None = None, draft_budget: bool = True, store: KVStore | None = None,
-                 tokenizer=None, backend: Backend | None = None) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.model, self.batch_size = model, batch_size
-        self.store = SlotStore(model, prefix, kv_budget_bytes, backend) if store is None else store
+    def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_token_id: int | Iterable[int] | None = None,
+                 tokenizer=None, cost: StepCost | None = None, store: KVStore | None = None) -> None:
+        self.model, self.config, self.batch_size, self.tokenizer = model, config, config.batch_size, tokenizer
+        self.store = SlotStore(model, config.prefix, config.kv_budget_bytes, config.backend) if store is None else store
         if eos_token_id is None:
             self.eos = eos_token_ids(model, tokenizer)
         else:
@@ -74,7 +90,7 @@ class BatchEngine:
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.forward_passes = 0
         self.reset()
-        self.budget = DraftBudget(cost or self.measure_step_cost()) if draft_budget else None
+        self.budget = DraftBudget(cost or self.measure_step_cost()) if config.draft_budget else None
 
     def measure_step_cost(self, rows: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), reps: int = 3,
                           cache_dir: str | Path | None = None) -> StepCost:
@@ -197,22 +213,25 @@ class BatchEngine:
 
     def _admit(self, request_id: int, request: Request) -> bool:
         """Put `request` into a free slot; False where the store has no room for it now."""
-        prompt = list(request.prompt)
+        prompt, params = list(request.prompt), request.params
         if not prompt:
             raise ValueError("the prompt is empty")
-        if request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need the engine's tokenizer")
         if len(prompt) >= self.context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.context}")
         slots = self.slots
         if not self.in_flight:
             slots.clear()  # an empty batch: its slots are made anew, sized by what comes in
         free = next((i for i, s in enumerate(slots) if s is None), len(slots))
-        cached = self.store.admit(free, prompt, min(request.max_new_tokens, self.context - len(prompt)),
+        cached = self.store.admit(free, prompt, min(params.max_new_tokens, self.context - len(prompt)),
                                   slots=len(slots), in_flight=self.in_flight, batch_size=self.batch_size)
         if cached is None:
             return False
-        seq = Sequence(request_id, request, self.eos, self.context, cached, self.store.name)
+        seq = Sequence(request_id, request, self.eos, self.context, cached, self.store.name, self.config.policy,
+                       self.tokenizer)
         if free == len(slots):
             slots.append(seq)
         else:
@@ -222,10 +241,10 @@ class BatchEngine:
 
 
 
-def generate_many(model, requests: list[Request], batch_size: int = 16, **options) -> list[Generation]:
+def generate_many(model, requests: list[Request], config: EngineConfig = EngineConfig(), **options) -> list[Generation]:
     """Decode `requests` with a `BatchEngine`; the generations in input order (an error raises)."""
     out: dict[int, Generation] = {}
-    for index, result in BatchEngine(model, batch_size, **options).run(requests):
+    for index, result in BatchEngine(model, config, **options).run(requests):
         if isinstance(result, Exception):
             raise result
         out[index] = result

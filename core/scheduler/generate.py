@@ -19,10 +19,10 @@ import torch
 
 from ..model.backend import Backend, choose_backend
 from ..speculation.draft import Drafter
-from .engine import BatchEngine
+from .engine import BatchEngine, EngineConfig
 from .kv import CacheStore
-from .sequence import Generation, GenerationStats, Request, StepCallback, context_length, eos_end, eos_token_ids, turn_end_token
-from ..speculation.verify import Sampling
+from .sequence import Generation, GenerationStats, Request, SamplingParams, StepCallback, context_length, eos_end, eos_token_ids, turn_end_token
+from ..speculation.draft_budget import DraftPolicy
 
 __all__ = ["Generation", "GenerationStats", "StepCallback", "context_length", "eos_end", "eos_token_ids",
            "generate", "turn_end_token"]
@@ -33,54 +33,40 @@ def generate(
     model,
     prompt: Sequence[int] | torch.Tensor,
     drafter: Drafter | None = None,
+    params: SamplingParams | None = None,
     *,
-    max_new_tokens: int = 256,
+    max_new_tokens: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
-    sampling: Sampling | None = None,
-    generator: torch.Generator | None = None,
-    stop_strings: Sequence[str] = (),
     tokenizer=None,
     on_step: StepCallback | None = None,
     prefix_cache=None,
-    tie_margin: float | None = None,
-    draft_sizes: Sequence[int] | None = None,
-    prefill_draft: int | None = None,
+    policy: DraftPolicy | None = None,
     backend: Backend | None = None,
 ) -> Generation:
     """Decode from `prompt` (token ids, or a (1, T) tensor) with draft-then-verify.
 
-    drafter: proposes drafts (None: plain decoding). sampling: None for greedy (exact), else
-    lossless speculative sampling with `generator` as the source of randomness. stop_strings need
-    `tokenizer`. prefix_cache: an optional `PrefixCache` that reuses the KV of a shared prompt prefix.
-    backend: how the forwards are computed (`core/model/backend.py`): choose it once per loaded model
-    with `choose_backend(model)` and pass it to every call (None: chosen for this call, which
-    packs a copy of the weights anew). It sets the defaults of:
-    tie_margin (greedy only; rows whose top two logits are closer are recomputed as plain decoding
-    does), draft_sizes (a ladder of caps on draft nodes, see `SizeLadder`; () for none; where the
-    backend measured its step costs and draft_sizes is not given, drafts are capped by
-    `GoodputCap` instead) and prefill_draft (draft nodes verified in the prefill's forward).
+    drafter: proposes drafts (None: plain decoding). params: what to generate (`SamplingParams`:
+    greedy, which is exact, or lossless speculative sampling; stop strings need `tokenizer`);
+    `max_new_tokens` alone is short for `SamplingParams(max_new_tokens)`. prefix_cache: an
+    optional `PrefixCache` that reuses the KV of a shared prompt prefix. backend: how the forwards
+    are computed (`core/model/backend.py`): choose it once per loaded model with
+    `choose_backend(model)` and pass it to every call (None: chosen for this call, which packs a
+    copy of the weights anew). policy: how drafts are sized and near-ties guarded (`DraftPolicy`;
+    None: the backend's, `backend.policy`).
     """
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
             raise ValueError(f"one prompt at a time: expected (T,) or (1, T) token ids, got {tuple(prompt.shape)}")
         prompt = prompt.reshape(-1).tolist()
-    # The prompt and max_new_tokens are checked where the loop admits a request (`BatchEngine._admit`).
-    if prefill_draft is not None and prefill_draft < 0:
-        raise ValueError(f"prefill_draft must be >= 0, got {prefill_draft}")
-    if tie_margin is not None and tie_margin < 0:
-        raise ValueError(f"tie_margin must be >= 0, got {tie_margin}")
-    if stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need the tokenizer")
+    if params is not None and max_new_tokens is not None:
+        raise ValueError("give max_new_tokens in params, or alone")
+    params = params or SamplingParams(**({} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}))
+    # The prompt, the parameters and the tokenizer's presence are checked where the engine admits it.
     backend = backend or choose_backend(model)
-    request = Request(list(prompt), drafter, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator,
-                      on_step=on_step, stop_strings=tuple(stop_strings), tokenizer=tokenizer,
-                      tie_margin=backend.tie_margin if tie_margin is None else tie_margin,
-                      draft_sizes=backend.draft_sizes if draft_sizes is None else tuple(draft_sizes),
-                      prefill_draft=backend.prefill_draft if prefill_draft is None else prefill_draft,
-                      draft_cost=backend.draft_cost if draft_sizes is None else None)
-    engine = BatchEngine(model, 1, eos_token_id=eos_token_id, tokenizer=tokenizer, draft_budget=False,
+    config = EngineConfig(1, backend=backend, draft_budget=False, policy=policy or backend.policy)
+    engine = BatchEngine(model, config, eos_token_id=eos_token_id, tokenizer=tokenizer,
                          store=CacheStore(model, backend, prefix_cache))
-    ((_, result),) = engine.run([request])
+    ((_, result),) = engine.run([Request(list(prompt), drafter, params, on_step=on_step)])
     if isinstance(result, Exception):
         raise result
     return result

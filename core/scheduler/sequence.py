@@ -14,7 +14,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from ..speculation.draft import Draft, Drafter, NoDrafter, SizeLadder, propose_within
-from ..speculation.draft_budget import GoodputCap, StepCost
+from ..speculation.draft_budget import DraftPolicy, GoodputCap
 from ..speculation.verify import Sampling, top_two, verify_greedy, verify_sample, warp
 
 # Called after every step with the new tokens and, per token, whether it came from an accepted draft.
@@ -69,29 +69,30 @@ class Generation:
 
 
 @dataclass
-class Request:
-    """One sequence to decode. `drafter` None: no drafts for it.
+class SamplingParams:
+    """What one request asks of its output: at most `max_new_tokens` tokens, greedy (`sampling`
+    None) or sampled by `sampling` with `generator` as the source of randomness, ending where its
+    text first contains one of `stop_strings` (the engine needs the tokenizer for them)."""
 
-    stop_strings (with `tokenizer`): end the output where its text first contains one.
-    tie_margin (greedy only): a root row computed otherwise than plain decoding's whose top two
-    logits are closer is redone as plain decoding computes it (see `core.backend`).
-    draft_sizes: a ladder of caps on draft nodes (`SizeLadder`; () for none).
-    prefill_draft: a cap on the draft verified with the prompt (None: the drafter's whole draft).
-    draft_cost: the step cost by row count; with it drafts are capped by `GoodputCap`, not a ladder."""
-
-    prompt: list[int]
-    drafter: Drafter | None = None
-    _: KW_ONLY
     max_new_tokens: int = 256
     sampling: Sampling | None = None
     generator: torch.Generator | None = None
-    on_step: StepCallback | None = None  # after each step: its new tokens, and which came from the draft
-    stop_strings: Seq[str] = ()
-    tokenizer: object = None
-    tie_margin: float = 0.0
-    draft_sizes: tuple[int, ...] = ()
-    prefill_draft: int | None = None
-    draft_cost: StepCost | None = None
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.stop_strings = tuple(self.stop_strings)
+
+
+@dataclass
+class Request:
+    """One sequence to decode: its prompt, its drafter (None: no drafts), what to generate, and
+    `on_step`, called after each step with its new tokens and which came from the draft."""
+
+    prompt: list[int]
+    drafter: Drafter | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    _: KW_ONLY
+    on_step: StepCallback | None = None
 
 
 def eos_token_ids(model, tokenizer=None) -> set[int]:
@@ -154,16 +155,17 @@ class Sequence:
     is the root of the next draft). One step: `propose`, one forward (the engine's), `settle`."""
 
     def __init__(self, index: int, request: Request, eos: set[int], context: int, cached: int = 0,
-                 backend: str = "") -> None:
-        prompt = list(request.prompt)
+                 backend: str = "", policy: DraftPolicy = DraftPolicy(), tokenizer=None) -> None:
+        prompt, params = list(request.prompt), request.params
         self.index, self.request, self.eos, self.context = index, request, eos, context
-        self.prompt, self.sampling = prompt, request.sampling
+        self.prompt, self.params, self.sampling, self.tokenizer = prompt, params, params.sampling, tokenizer
         self.drafter = request.drafter or NoDrafter()
-        self.max_new_tokens = min(request.max_new_tokens, context - len(prompt))
-        self.tie_margin = 0.0 if request.sampling is not None else request.tie_margin
+        self.max_new_tokens = min(params.max_new_tokens, context - len(prompt))
+        self.tie_margin = 0.0 if params.sampling is not None else policy.tie_margin
+        self.prefill_draft = policy.prefill_draft
         # the cap on draft nodes after the prefill (None: none), updated after every draft
-        self.size_cap = (GoodputCap(request.draft_cost) if request.draft_cost is not None
-                         else SizeLadder(request.draft_sizes) if request.draft_sizes else None)
+        self.size_cap = (GoodputCap(policy.draft_cost) if policy.draft_cost is not None
+                         else SizeLadder(policy.draft_sizes) if policy.draft_sizes else None)
         self.length = cached
         self.fresh, self.seq = prompt[cached:], list(prompt)
         self.new: list[int] = []
@@ -175,7 +177,7 @@ class Sequence:
         self.start = time.perf_counter()
         self.draft_s = 0.0  # the time of the last `propose`
         self.stats = GenerationStats(prompt_tokens=len(prompt), cached_prompt_tokens=cached, backend=backend)
-        self.drafter.reset(prompt, request.sampling)
+        self.drafter.reset(prompt, params.sampling)
 
     @property
     def room(self) -> int:
@@ -189,7 +191,7 @@ class Sequence:
         """The drafter's draft, cut to the room left and to the prefill's or `size_cap`'s cap
         (none while a near-tie is redone)."""
         t0 = time.perf_counter()
-        cap = self.request.prefill_draft if self.prefilling else self.size_cap.value if self.size_cap else None
+        cap = self.prefill_draft if self.prefilling else self.size_cap.value if self.size_cap else None
         draft = None if self.redo else propose_within(self.drafter, self.seq, self.room, vocab, cap)
         self.draft_s = time.perf_counter() - t0
         return draft
@@ -214,7 +216,7 @@ class Sequence:
         elif self.sampling is None:
             path, nxt = verify_greedy(draft, logits, self.tie_margin, best=best)
         else:
-            path, nxt = verify_sample(draft, logits, self.sampling, self.request.generator)
+            path, nxt = verify_sample(draft, logits, self.sampling, self.params.generator)
         if self.prefilling:
             self.stats.prefill_s = time.perf_counter() - self.start
         else:
@@ -237,7 +239,7 @@ class Sequence:
         """The next token from a (vocab,) row: `best` (its argmax), or a sample."""
         if self.sampling is None:
             return best
-        return int(torch.multinomial(warp(logits[None], self.sampling)[0], 1, generator=self.request.generator))
+        return int(torch.multinomial(warp(logits[None], self.sampling)[0], 1, generator=self.params.generator))
 
     def commit(self, draft: Draft | None, path: list[int], nxt: int | None) -> None:
         """Append the accepted tokens and the target's next one (None: redo the last position
@@ -266,8 +268,8 @@ class Sequence:
         self.seq += step
         self.new += step
         self.from_draft += flags
-        stops, tokenizer = self.request.stop_strings, self.request.tokenizer
-        if stops and (cut := _first_stop(tokenizer, self.new, stops, self.stop_from)) is not None:
+        stops = self.params.stop_strings
+        if stops and (cut := _first_stop(self.tokenizer, self.new, stops, self.stop_from)) is not None:
             step, flags = step[: max(0, cut - self.stop_from)], flags[: max(0, cut - self.stop_from)]
             del self.new[cut:], self.from_draft[cut:]
             self.finish = "stop_string"

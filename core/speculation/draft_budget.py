@@ -7,11 +7,35 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .draft import Draft
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    """How one sequence's drafts are sized and its near-ties guarded. `generate()` runs its
+    backend's (`Backend.policy`); the batched engine none (its `DraftBudget` sizes every draft).
+
+    tie_margin (greedy only): a root row computed otherwise than plain decoding's whose top two
+    logits are closer is redone as plain decoding computes it. draft_sizes: a ladder of caps on
+    draft nodes (`SizeLadder`; () for none). prefill_draft: a cap on the draft verified with the
+    prompt (None: the drafter's whole draft). draft_cost: the step cost by row count; with it
+    drafts are capped by `GoodputCap`, not a ladder."""
+
+    tie_margin: float = 0.0
+    draft_sizes: tuple[int, ...] = ()
+    prefill_draft: int | None = None
+    draft_cost: "StepCost | None" = None
+
+    def __post_init__(self) -> None:
+        if self.tie_margin < 0:
+            raise ValueError(f"tie_margin must be >= 0, got {self.tie_margin}")
+        if self.prefill_draft is not None and self.prefill_draft < 0:
+            raise ValueError(f"prefill_draft must be >= 0, got {self.prefill_draft}")
 
 
 class StepCost:

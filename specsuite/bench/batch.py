@@ -33,7 +33,8 @@ from specsuite.apps.gec.gleu import corpus_gleu, read_tokenized, tokenize
 from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache, instruction_ids
 from specsuite.bench.rounds import rotated
 from specsuite.core import eos_token_ids, generate, turn_end_token
-from specsuite.core.scheduler.engine import BatchEngine, Request
+from specsuite.core.scheduler.engine import BatchEngine, EngineConfig, Request
+from specsuite.core.scheduler.sequence import SamplingParams
 from specsuite.core.model.backend import choose_backend
 from specsuite.models import load_model
 
@@ -75,8 +76,8 @@ class GecRuns:
         self.eos = sorted(eos_token_ids(model, tok))
         self.end = [turn_end_token(model, tok)]
         self.prompts = [gec_prompt_ids(tok, s) for s in sources]
-        self.engine = BatchEngine(model, DEFAULT_BATCH_SIZE, eos_token_id=self.eos, prefix=instruction_ids(tok),
-                                  backend=backend)
+        self.engine = BatchEngine(model, EngineConfig(DEFAULT_BATCH_SIZE, prefix=instruction_ids(tok), backend=backend),
+                                  eos_token_id=self.eos)
         self.cache = instruction_cache(model, backend)
 
     def _drafter(self, i: int) -> CopyDrafter:
@@ -89,7 +90,7 @@ class GecRuns:
     def batched(self, batch_size: int) -> Callable[[list[int]], list[list[int]]]:
         def run(idx: list[int]) -> list[list[int]]:
             self.engine.batch_size = batch_size
-            requests = [Request(self.prompts[i], self._drafter(i), max_new_tokens=self.max_new_tokens) for i in idx]
+            requests = [Request(self.prompts[i], self._drafter(i), SamplingParams(self.max_new_tokens)) for i in idx]
             out = dict(self.engine.run(requests))
             return [out[k].tokens for k in range(len(idx))]
         return run

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -136,7 +136,8 @@ def _hf_run(model, counter, ids: list[int], config: GenerationConfig, assistant=
 
 def _spec_run(model, backend: Backend, ids: list[int], drafter: Drafter, max_new_tokens: int, eos: list[int],
               tie_margin: float | None = None, prefix_cache=None) -> Run:
-    g = generate(model, ids, drafter, max_new_tokens=max_new_tokens, eos_token_id=eos, tie_margin=tie_margin,
+    policy = backend.policy if tie_margin is None else replace(backend.policy, tie_margin=tie_margin)
+    g = generate(model, ids, drafter, max_new_tokens=max_new_tokens, eos_token_id=eos, policy=policy,
                  prefix_cache=prefix_cache, backend=backend)
     return Run(g.tokens, g.stats.total_s, g.stats.prefill_s, g.stats.forward_passes)
 

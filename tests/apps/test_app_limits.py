@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO, free_port
 
 from specsuite.apps.limits import Deadline, InputError, TimeBudgetExceeded, check_k, check_text
+from specsuite.core.model.backend import choose_backend
 
 DEMO_CORPUS = REPO / "demos" / "corpus"
 QUESTION = "Who was the commander of Apollo 11?"
@@ -296,6 +297,7 @@ def test_callers_at_once_wait_for_one_step_cost_measurement(smollm2_fp32, monkey
     monkeypatch.setattr(engine, "BatchEngine", Counted)
     limits._step_cost.cache_clear()
     with ThreadPoolExecutor(8) as pool:
-        costs = list(pool.map(lambda _: limits.step_cost(smollm2_fp32[0]), range(8)))
+        backend = choose_backend(smollm2_fp32[0])
+        costs = list(pool.map(lambda _: limits.step_cost(smollm2_fp32[0], backend), range(8)))
     limits._step_cost.cache_clear()
     assert len(made) == 1 and costs[0] is not None and all(c is costs[0] for c in costs)

@@ -14,6 +14,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 import pytest
 from conftest import REPO, free_port
 
+from specsuite.core import EngineConfig, SamplingParams
 from specsuite.apps.limits import Deadline, OverBudgetError, TimeBudgetExceeded
 from specsuite.apps.serving.batch_server import UI_THREADS
 
@@ -42,7 +43,7 @@ class Steps:
 def engine(smollm2):
     from specsuite.core.scheduler.engine import BatchEngine
 
-    return BatchEngine(smollm2[0], batch_size=1, draft_budget=False)
+    return BatchEngine(smollm2[0], EngineConfig(batch_size=1, draft_budget=False))
 
 
 def test_a_request_queued_past_its_budget_leaves_the_queue_without_a_slot(smollm2, engine):
@@ -51,19 +52,19 @@ def test_a_request_queued_past_its_budget_leaves_the_queue_without_a_slot(smollm
 
     tok = smollm2[1]
     server = BatchServer(engine)  # one slot: the second request waits for the first to finish
-    first = server.submit(Request(_prompt(tok, 20), max_new_tokens=150, on_step=Steps(engine)))
+    first = server.submit(Request(_prompt(tok, 20), params=SamplingParams(max_new_tokens=150), on_step=Steps(engine)))
     waited, abandoned = Steps(engine), Steps(engine)
     start = time.monotonic()
     with pytest.raises(TimeBudgetExceeded, match="busy with other requests for the whole time budget of 0.3 s"):
-        server.run(Request(_prompt(tok, 20), max_new_tokens=8, on_step=abandoned), Deadline(0.3))
+        server.run(Request(_prompt(tok, 20), params=SamplingParams(max_new_tokens=8), on_step=abandoned), Deadline(0.3))
     assert time.monotonic() - start < 1.5, "the caller waited past its budget"
-    queued = server.submit(Request(_prompt(tok, 20), max_new_tokens=8, on_step=waited), Deadline(0.3))
+    queued = server.submit(Request(_prompt(tok, 20), params=SamplingParams(max_new_tokens=8), on_step=waited), Deadline(0.3))
     assert first.result(timeout=120).tokens and not first.exception()
     with pytest.raises(TimeBudgetExceeded, match="busy with other requests"):
         queued.result(timeout=30)  # expired in the queue, though its caller never gave up
     assert abandoned.at == [] and waited.at == [], "a request past its budget took a slot"
     later = Steps(engine)
-    assert server.run(Request(_prompt(tok, 20), max_new_tokens=4, on_step=later), Deadline(60)).tokens and later.at
+    assert server.run(Request(_prompt(tok, 20), params=SamplingParams(max_new_tokens=4), on_step=later), Deadline(60)).tokens and later.at
 
 
 def test_an_idle_batch_gives_its_kv_cache_back_and_answers_alike_after(smollm2, monkeypatch):
@@ -72,15 +73,15 @@ def test_an_idle_batch_gives_its_kv_cache_back_and_answers_alike_after(smollm2, 
 
     monkeypatch.setattr(serving, "IDLE_SHRINK_S", 0.3)
     tok = smollm2[1]
-    server = serving.BatchServer(BatchEngine(smollm2[0], batch_size=2, draft_budget=False))
-    first = server.run(Request(_prompt(tok, 20), max_new_tokens=12), Deadline(60))
+    server = serving.BatchServer(BatchEngine(smollm2[0], EngineConfig(batch_size=2, draft_budget=False)))
+    first = server.run(Request(_prompt(tok, 20), params=SamplingParams(max_new_tokens=12)), Deadline(60))
     store = server.engine.store
     assert store.keys, "a cache while it decodes"
     deadline = time.monotonic() + 10
     while (store.keys or store.values) and time.monotonic() < deadline:  # shrink sets them one after the other
         time.sleep(0.1)
     assert store.keys == [] and store.values == []
-    assert server.run(Request(_prompt(tok, 20), max_new_tokens=12), Deadline(60)).tokens == first.tokens
+    assert server.run(Request(_prompt(tok, 20), params=SamplingParams(max_new_tokens=12)), Deadline(60)).tokens == first.tokens
 
 
 def test_a_running_request_stops_at_its_next_step(smollm2, engine):
@@ -89,7 +90,7 @@ def test_a_running_request_stops_at_its_next_step(smollm2, engine):
     from specsuite.core.scheduler.engine import Request
 
     prompt = _prompt(smollm2[1], 20)
-    budget = 2 * estimate_s(smollm2[0], len(prompt), 6) + 0.5  # admitted: it may finish in time
+    budget = 2 * estimate_s(smollm2[0], len(prompt), engine.store.backend, 6) + 0.5  # admitted: it may finish in time
     steps = Steps(engine)
 
     def slow_step(tokens, flags):  # each step takes a third of the budget: the third one ends it
@@ -99,7 +100,7 @@ def test_a_running_request_stops_at_its_next_step(smollm2, engine):
     deadline = Deadline(budget)
     start = time.monotonic()
     with pytest.raises(TimeBudgetExceeded, match=f"time budget of {budget:g} s"):
-        BatchServer(engine).run(Request(prompt, max_new_tokens=6, on_step=deadline.on_step(slow_step)), deadline)
+        BatchServer(engine).run(Request(prompt, params=SamplingParams(max_new_tokens=6), on_step=deadline.on_step(slow_step)), deadline)
     assert 1 <= len(steps.at) < 6 and time.monotonic() - start < budget + 1
 
 
@@ -109,13 +110,13 @@ def test_each_step_admits_at_most_the_prompt_token_cap(smollm2):
     from specsuite.apps.serving.batch_server import BatchServer
     from specsuite.core.scheduler.engine import BatchEngine, Request
 
-    engine = BatchEngine(smollm2[0], batch_size=4, draft_budget=False)
+    engine = BatchEngine(smollm2[0], EngineConfig(batch_size=4, draft_budget=False))
     server = BatchServer(engine, max_prompt_tokens=1024)
     steps = [Steps(engine) for _ in range(3)]
     queued = threading.Event()
     # A running request keeps the engine stepping (its first step waits until all three are queued).
-    holder = server.submit(Request(_prompt(smollm2[1], 10), max_new_tokens=3, on_step=lambda *a: queued.wait(30)))
-    futures = [server.submit(Request(_prompt(smollm2[1], 600), max_new_tokens=2, on_step=s)) for s in steps]
+    holder = server.submit(Request(_prompt(smollm2[1], 10), params=SamplingParams(max_new_tokens=3), on_step=lambda *a: queued.wait(30)))
+    futures = [server.submit(Request(_prompt(smollm2[1], 600), params=SamplingParams(max_new_tokens=2), on_step=s)) for s in steps]
     queued.set()
     for f in [holder, *futures]:
         f.result(timeout=120)
@@ -133,15 +134,15 @@ def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2)
     from specsuite.core.speculation.draft_budget import StepCost
     from specsuite.core.scheduler.engine import BatchEngine, Request
 
-    engine = BatchEngine(smollm2[0], batch_size=8, cost=StepCost({1: 0.05, 64: 3.2}))
+    engine = BatchEngine(smollm2[0], EngineConfig(batch_size=8), cost=StepCost({1: 0.05, 64: 3.2}))
     server = BatchServer(engine)
     in_flight: list[int] = []
     hopeless = Steps(engine)
     start = time.monotonic()
     with pytest.raises(TimeBudgetExceeded, match=r"less than this request needs \(at least 1.0 s"):
-        server.run(Request(_prompt(smollm2[1], 10), max_new_tokens=10, on_step=hopeless), Deadline(0.7))
+        server.run(Request(_prompt(smollm2[1], 10), params=SamplingParams(max_new_tokens=10), on_step=hopeless), Deadline(0.7))
     assert time.monotonic() - start < 0.5 and hopeless.at == []
-    calls = [(Request(_prompt(smollm2[1], 10), max_new_tokens=10, on_step=lambda *a: in_flight.append(engine.in_flight)),
+    calls = [(Request(_prompt(smollm2[1], 10), params=SamplingParams(max_new_tokens=10), on_step=lambda *a: in_flight.append(engine.in_flight)),
               Deadline(1.8)) for _ in range(6)]
     start = time.monotonic()
     futures = [server.submit(request, deadline) for request, deadline in calls]

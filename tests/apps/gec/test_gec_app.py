@@ -12,7 +12,7 @@ from specsuite.apps.gec.drafter import CopyDrafter
 from specsuite.apps.gec.prompt import gec_prompt_ids, instruction_cache
 from specsuite.cli import main as specsuite_main
 from specsuite.core.model.backend import choose_backend
-from specsuite.core.kernels.int8_linear import int8_runs
+from specsuite.core.kernels.int8_linear import int8_pays, int8_runs
 from specsuite.core import PromptLookupDrafter, TextPiece, eos_token_ids, generate
 
 pytestmark = pytest.mark.real_model
@@ -169,7 +169,7 @@ def test_exact_asks_for_the_exact_forward_forms(smollm2):
     assert exact.correct("She go to school yesterday.").text
 
 
-@pytest.mark.skipif(not int8_runs(), reason="oneDNN's int8 kernel does not give exact sums on this CPU")
+@pytest.mark.skipif(not (int8_pays() and int8_runs()), reason="oneDNN's int8 kernel is slow or inexact on this CPU")
 def test_int8_asks_for_the_int8_backend_one_at_a_time_and_in_batches(smollm2):
     import argparse
 

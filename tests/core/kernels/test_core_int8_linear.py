@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsuite.core import generate
+from specsuite.core import EngineConfig, generate, SamplingParams
 from specsuite.core.model.backend import choose_backend
 from specsuite.core.speculation.draft_budget import StepCost
 from specsuite.core.scheduler.engine import BatchEngine, Request
@@ -85,8 +85,8 @@ def test_int8_generate_and_engine_are_int8_greedy_token_for_token(kind, dtype):
         assert out.tokens == truth, i
         assert out.stats.forward_passes < 30 and out.stats.backend == "int8"
     if kind == "llama" or dtype == torch.float32:
-        engine = BatchEngine(model, 3, eos_token_id=[], cost=StepCost({1: 1.0, 512: 1.0}), backend=backend)
-        requests = [Request(p, OracleTreeDrafter(p, t, seed=i), max_new_tokens=30) for i, (p, t) in enumerate(zip(ps, truths))]
+        engine = BatchEngine(model, EngineConfig(3, backend=backend), eos_token_id=[], cost=StepCost({1: 1.0, 512: 1.0}))
+        requests = [Request(p, OracleTreeDrafter(p, t, seed=i), SamplingParams(max_new_tokens=30)) for i, (p, t) in enumerate(zip(ps, truths))]
         assert [g.tokens for _, g in sorted(engine.run(requests), key=lambda r: r[0])] == truths
 
 
@@ -97,15 +97,18 @@ def test_int8_is_refused_where_it_cannot_run_as_stated():
 
 
 def test_fast_is_int8_where_it_runs_and_the_models_own_numerics_elsewhere(monkeypatch):
-    """The apps' default kind: int8 where this CPU's int8 kernel sums exactly and the model is one
-    of forward.py's in bf16/fp32; otherwise what "auto" chooses (checked on both sides by
+    """The apps' default kind: int8 where this CPU's int8 kernel sums exactly, is fast, and the model
+    is one of forward.py's in bf16/fp32; otherwise what "auto" chooses (checked on both sides by
     pretending the kernel check failed, so the test means the same on every CPU)."""
     from specsuite.core.model import backend as backend_module
 
     fp32, eager = tiny_model("llama"), tiny_model("llama", attn="eager")
     assert choose_backend(eager, "fast").name == choose_backend(eager, "auto").name == "plain"
-    if backend_module.int8_runs():
+    if backend_module.int8_runs() and backend_module.int8_pays():
         assert choose_backend(fp32, "fast").name == "int8"
+    monkeypatch.setattr(backend_module, "int8_pays", lambda: False)  # exact, but slow here (an AMD Zen 4)
+    assert choose_backend(fp32, "fast").name == choose_backend(fp32, "auto").name
+    monkeypatch.setattr(backend_module, "int8_pays", lambda: True)
     monkeypatch.setattr(backend_module, "int8_runs", lambda: False)
     assert choose_backend(fp32, "fast").name == choose_backend(fp32, "auto").name
     with pytest.raises(ValueError, match="int8 backend needs"):

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specsuite.core import PromptLookupDrafter, generate
+from specsuite.core import EngineConfig, generate, PromptLookupDrafter, SamplingParams
 from specsuite.core.model.backend import (
     AFFORDABILITY_ROWS, EXACT_BF16, EXACT_VS_PLAIN, FP32_CPU, PLAIN, choose_backend, exact_is_affordable,
     fp32_forms,
@@ -123,8 +123,8 @@ def test_exact_bf16_batches_run_on_the_packed_weights(tmp_path, monkeypatch):
     assert backend.engine_linear is (packed_rows if packed_bf16_runs() else None)
     ps = prompts(6, seed=26, lengths=(3, 120))
     truths = [hf_greedy(model, p, 30) for p in ps]
-    engine = BatchEngine(model, 3, eos_token_id=[], cost=StepCost({1: 1.0, 512: 1.0}), backend=backend)
-    requests = [Request(p, OracleTreeDrafter(p, t, seed=i), max_new_tokens=30) for i, (p, t) in enumerate(zip(ps, truths))]
+    engine = BatchEngine(model, EngineConfig(3, backend=backend), eos_token_id=[], cost=StepCost({1: 1.0, 512: 1.0}))
+    requests = [Request(p, OracleTreeDrafter(p, t, seed=i), SamplingParams(max_new_tokens=30)) for i, (p, t) in enumerate(zip(ps, truths))]
     assert [g.tokens for _, g in sorted(engine.run(requests), key=lambda r: r[0])] == truths
     weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     assert len(backend.packed) == (len(weights) if packed_bf16_runs() else 0)
@@ -164,8 +164,8 @@ def test_plain_packed_verifies_on_packed_weights_and_steps_as_plain_decoding(tmp
         assert out.tokens == truth, i
         assert out.stats.forward_passes < 30 and out.stats.backend == names[-1]
     # the batched engine runs all its rows on the packed weights there, each sequence still greedy's here
-    engine = BatchEngine(model, 3, eos_token_id=[], cost=StepCost({1: 1.0, 512: 1.0}), backend=backend)
-    requests = [Request(p, OracleTreeDrafter(p, t, seed=i), max_new_tokens=30) for i, (p, t) in enumerate(zip(ps, truths))]
+    engine = BatchEngine(model, EngineConfig(3, backend=backend), eos_token_id=[], cost=StepCost({1: 1.0, 512: 1.0}))
+    requests = [Request(p, OracleTreeDrafter(p, t, seed=i), SamplingParams(max_new_tokens=30)) for i, (p, t) in enumerate(zip(ps, truths))]
     assert [g.tokens for _, g in sorted(engine.run(requests), key=lambda r: r[0])] == truths
     gen = torch.Generator().manual_seed(5)
     layer = torch.nn.Linear(896, 128).bfloat16()

@@ -11,7 +11,7 @@ from conftest import model_for
 from specsuite.core.model import calibration
 from specsuite.core.model.calibration import calibrated, timed_seconds, timing_problem
 from specsuite.core.speculation.draft_budget import StepCost
-from specsuite.core.kernels.int8_linear import int8_runs
+from specsuite.core.kernels.int8_linear import int8_pays, int8_runs
 
 
 def test_step_cost_times_every_row_count_in_each_backend():
@@ -22,7 +22,7 @@ def test_step_cost_times_every_row_count_in_each_backend():
     model = model_for("qwen2")
     before = dict(vars(model))
     costs = measure_step_costs(model, [1, 3, 6], context=10, reps=2)
-    assert set(costs) == {"fp32-cpu", "plain"} | ({"int8"} if int8_runs() else set())
+    assert set(costs) == {"fp32-cpu", "plain"} | ({"int8"} if int8_pays() and int8_runs() else set())
     assert all(set(c) == {1, 3, 6} and min(c.values()) > 0 for c in costs.values())
     assert vars(model).keys() == before.keys() and all(vars(model)[k] is v for k, v in before.items())
     assert len(format_costs(costs).splitlines()) == 4

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from specsuite.core import Draft, PromptLookupDrafter, Sampling
+from specsuite.core import Draft, EngineConfig, PromptLookupDrafter, Sampling, SamplingParams
 from specsuite.core.speculation.draft_budget import DraftBudget, StepCost
 from specsuite.core.scheduler.engine import BatchEngine, Request, engine_supports, generate_many
 from conftest import REPO, OracleTreeDrafter, hf_greedy, model_for, prompts
@@ -26,8 +26,8 @@ def test_batch_equals_per_sequence_greedy_with_tree_drafts(kind, batch_size):
     budgets = [5 + 3 * i for i in range(len(ps))]  # sequences end at different steps
     truths = [hf_greedy(model, p, n) for p, n in zip(ps, budgets)]
     drafters = [OracleTreeDrafter(p, t, seed=i) for i, (p, t) in enumerate(zip(ps, truths))]
-    requests = [Request(p, d, max_new_tokens=n) for p, d, n in zip(ps, drafters, budgets)]
-    engine = BatchEngine(model, batch_size, eos_token_id=[], cost=FLAT)
+    requests = [Request(p, d, SamplingParams(max_new_tokens=n)) for p, d, n in zip(ps, drafters, budgets)]
+    engine = BatchEngine(model, EngineConfig(batch_size), eos_token_id=[], cost=FLAT)
     outs = generate_many_with(engine, requests)
     assert [o.tokens for o in outs] == truths
     assert all(o.finish_reason == "length" for o in outs)
@@ -49,8 +49,8 @@ def test_stepping_by_hand_adds_aborts_and_equals_greedy():
     model = model_for("qwen2")
     ps = prompts(6, seed=11, lengths=(2, 20))
     truths = [hf_greedy(model, p, 10) for p in ps]
-    engine = BatchEngine(model, 2, eos_token_id=[], cost=FLAT)
-    ids = [engine.add_request(Request(p, PromptLookupDrafter(), max_new_tokens=10)) for p in ps[:4]]
+    engine = BatchEngine(model, EngineConfig(2), eos_token_id=[], cost=FLAT)
+    ids = [engine.add_request(Request(p, PromptLookupDrafter(), SamplingParams(max_new_tokens=10))) for p in ps[:4]]
     assert engine.abort(ids[3])  # still waiting
     ended = dict(engine.step())
     assert ended == {} and engine.in_flight == 2 and len(engine.waiting) == 1
@@ -61,7 +61,7 @@ def test_stepping_by_hand_adds_aborts_and_equals_greedy():
         for request_id, result in engine.step():
             ended[request_id] = result
         if late is None:
-            late = engine.add_request(Request(ps[4], max_new_tokens=10))  # joins mid-flight
+            late = engine.add_request(Request(ps[4], params=SamplingParams(max_new_tokens=10)))  # joins mid-flight
     assert set(ended) == {ids[0], ids[2], late}
     assert [ended[i].tokens for i in (ids[0], ids[2], late)] == [truths[0], truths[2], truths[4]]
     assert engine.step() == []  # nothing left: a step does nothing
@@ -71,8 +71,8 @@ def test_prompt_lookup_and_no_drafter_in_one_batch():
     model = model_for("llama")
     ps = prompts(8, seed=3)
     truths = [hf_greedy(model, p, 12) for p in ps]
-    requests = [Request(p, PromptLookupDrafter() if i % 2 else None, max_new_tokens=12) for i, p in enumerate(ps)]
-    assert [g.tokens for g in generate_many(model, requests, batch_size=4, eos_token_id=[], cost=FLAT)] == truths
+    requests = [Request(p, PromptLookupDrafter() if i % 2 else None, SamplingParams(max_new_tokens=12)) for i, p in enumerate(ps)]
+    assert [g.tokens for g in generate_many(model, requests, EngineConfig(batch_size=4), eos_token_id=[], cost=FLAT)] == truths
 
 
 def test_eos_inside_an_accepted_draft_ends_the_sequence_there():
@@ -88,7 +88,7 @@ def test_eos_inside_an_accepted_draft_ends_the_sequence_there():
             done = len(tokens) - len(self.prompt)
             return Draft.chain(self.truth[done:]) if done < len(self.truth) else None
 
-    out = generate_many(model, [Request(p, Whole(p, truth, 0), max_new_tokens=20)], eos_token_id=[eos], cost=FLAT)[0]
+    out = generate_many(model, [Request(p, Whole(p, truth, 0), SamplingParams(max_new_tokens=20))], eos_token_id=[eos], cost=FLAT)[0]
     assert out.tokens == expected and out.finish_reason == "eos"
     assert out.stats.forward_passes <= 2 and out.from_draft[-1]
 
@@ -99,8 +99,8 @@ def test_shared_prefix_is_computed_once_and_reused():
     prefix = [rng.randrange(96) for _ in range(40)]
     ps = [prefix + q for q in prompts(6, seed=7, lengths=(1, 12))] + [prompts(1, seed=8)[0]]  # one without it
     truths = [hf_greedy(model, p, 10) for p in ps]
-    engine = BatchEngine(model, 4, eos_token_id=[], prefix=prefix, cost=FLAT)
-    outs = generate_many_with(engine, [Request(p, PromptLookupDrafter(), max_new_tokens=10) for p in ps])
+    engine = BatchEngine(model, EngineConfig(4, prefix=prefix), eos_token_id=[], cost=FLAT)
+    outs = generate_many_with(engine, [Request(p, PromptLookupDrafter(), SamplingParams(max_new_tokens=10)) for p in ps])
     assert [o.tokens for o in outs] == truths
     assert [o.stats.cached_prompt_tokens for o in outs] == [40] * 6 + [0]
 
@@ -109,10 +109,10 @@ def test_kv_budget_makes_requests_wait_not_fail():
     model = model_for("llama")
     ps = prompts(6, seed=9)
     truths = [hf_greedy(model, p, 16) for p in ps]
-    engine = BatchEngine(model, 6, eos_token_id=[], cost=FLAT, kv_budget_bytes=1)
+    engine = BatchEngine(model, EngineConfig(6, kv_budget_bytes=1), eos_token_id=[], cost=FLAT)
     one = engine.store.token_bytes * 128  # the smallest cache the engine makes holds one slot of 128 positions
     engine.store.kv_budget_bytes = 2 * one
-    assert [o.tokens for o in generate_many_with(engine, [Request(p, max_new_tokens=16) for p in ps])] == truths
+    assert [o.tokens for o in generate_many_with(engine, [Request(p, params=SamplingParams(max_new_tokens=16)) for p in ps])] == truths
     assert engine.store.keys[0].shape[0] == 2  # never more than two slots
 
 
@@ -121,20 +121,20 @@ def test_a_long_request_after_a_full_batch_gets_a_cache_made_to_its_size():
     # it waits for them, then the empty batch's cache is made anew for it (not a "does not fit").
     model = model_for("llama", max_positions=512)
     short, long_ = prompts(4, seed=13, lengths=(4, 10)), prompts(1, seed=14, lengths=(20, 20))[0]
-    requests = [Request(p, max_new_tokens=8) for p in short] + [Request(long_, max_new_tokens=200)]
-    engine = BatchEngine(model, 6, eos_token_id=[], cost=FLAT, kv_budget_bytes=1)
+    requests = [Request(p, params=SamplingParams(max_new_tokens=8)) for p in short] + [Request(long_, params=SamplingParams(max_new_tokens=200))]
+    engine = BatchEngine(model, EngineConfig(6, kv_budget_bytes=1), eos_token_id=[], cost=FLAT)
     engine.store.kv_budget_bytes = 4 * 128 * engine.store.token_bytes
     outs = generate_many_with(engine, requests)
-    assert [o.tokens for o in outs] == [hf_greedy(model, r.prompt, r.max_new_tokens) for r in requests]
+    assert [o.tokens for o in outs] == [hf_greedy(model, r.prompt, r.params.max_new_tokens) for r in requests]
     assert engine.store.keys[0].shape[0] * engine.store.keys[0].shape[2] <= 4 * 128
 
 
 def test_a_bad_request_fails_alone():
     model = model_for("llama")
     good = prompts(2, seed=11)
-    requests = [Request(good[0], max_new_tokens=5), Request([], max_new_tokens=5),
-                Request(good[1], max_new_tokens=0), Request(good[1], max_new_tokens=5)]
-    results = dict(BatchEngine(model, 2, eos_token_id=[], cost=FLAT).run(requests))
+    requests = [Request(good[0], params=SamplingParams(max_new_tokens=5)), Request([], params=SamplingParams(max_new_tokens=5)),
+                Request(good[1], params=SamplingParams(max_new_tokens=0)), Request(good[1], params=SamplingParams(max_new_tokens=5))]
+    results = dict(BatchEngine(model, EngineConfig(2), eos_token_id=[], cost=FLAT).run(requests))
     assert isinstance(results[1], ValueError) and "empty" in str(results[1])
     assert isinstance(results[2], ValueError) and "max_new_tokens" in str(results[2])
     assert results[0].tokens == hf_greedy(model, good[0], 5) and results[3].tokens == hf_greedy(model, good[1], 5)
@@ -143,7 +143,7 @@ def test_a_bad_request_fails_alone():
 def test_context_limit_ends_a_sequence():
     model = model_for("llama", max_positions=32)
     p = prompts(1, seed=12, lengths=(28, 28))[0]
-    out = generate_many(model, [Request(p, max_new_tokens=50)], eos_token_id=[], cost=FLAT)[0]
+    out = generate_many(model, [Request(p, params=SamplingParams(max_new_tokens=50))], eos_token_id=[], cost=FLAT)[0]
     assert len(out.tokens) == 4 and out.finish_reason == "context"
 
 
@@ -151,7 +151,7 @@ def test_unsupported_models_are_refused():
     eager = model_for("llama", attn="eager")
     assert not engine_supports(eager)
     with pytest.raises(ValueError, match="Llama-family"):
-        BatchEngine(eager, 2, cost=FLAT)
+        BatchEngine(eager, EngineConfig(2), cost=FLAT)
 
 
 # ---- the draft budget ----------------------------------------------------------------------
@@ -177,7 +177,7 @@ def test_draft_budget_spends_rows_only_while_a_step_is_cheap():
 
 def test_step_cost_is_measured_once_and_kept(tmp_path):
     model = model_for("llama")
-    engine = BatchEngine(model, 2, eos_token_id=[], cost=FLAT)
+    engine = BatchEngine(model, EngineConfig(2), eos_token_id=[], cost=FLAT)
     first = engine.measure_step_cost(rows=(1, 4), reps=1, cache_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 1 and all(s > 0 for s in first.secs)
     again = engine.measure_step_cost(rows=(1, 4), reps=1, cache_dir=tmp_path)
@@ -196,9 +196,9 @@ def test_sampling_per_sequence_keeps_the_distribution(monkeypatch):
     exact = exact_two_tokens(model, sampling)
     g = torch.Generator().manual_seed(0)
     draft = _e2e_draft(exact, chain=False)
-    requests = [Request(PROMPT, FixedDrafter(draft), max_new_tokens=4, sampling=sampling, generator=g)
+    requests = [Request(PROMPT, FixedDrafter(draft), SamplingParams(max_new_tokens=4, sampling=sampling, generator=g))
                 for _ in range(3000)]
-    outs = generate_many(model, requests, batch_size=64, eos_token_id=[], cost=FLAT)
+    outs = generate_many(model, requests, EngineConfig(batch_size=64), eos_token_id=[], cost=FLAT)
     assert sum(o.stats.accepted[1] for o in outs) > 0
     assert_matches(empirical([(o.tokens[1], o.tokens[2]) for o in outs]), exact)
 
@@ -213,12 +213,12 @@ def test_server_batches_concurrent_callers_and_streams_steps():
     model = model_for("qwen2")
     ps = prompts(6, seed=13)
     truths = [hf_greedy(model, p, 12) for p in ps]
-    engine = BatchEngine(model, 4, eos_token_id=[], cost=FLAT)
+    engine = BatchEngine(model, EngineConfig(4), eos_token_id=[], cost=FLAT)
     server = BatchServer(engine)
     steps: list[list[int]] = [[] for _ in ps]
 
     def call(i: int):
-        request = Request(ps[i], PromptLookupDrafter(), max_new_tokens=12, on_step=lambda t, f: steps[i].extend(t))
+        request = Request(ps[i], PromptLookupDrafter(), SamplingParams(max_new_tokens=12), on_step=lambda t, f: steps[i].extend(t))
         return server.submit(request).result(timeout=60)
 
     with ThreadPoolExecutor(6) as pool:
@@ -234,5 +234,5 @@ def test_server_batches_concurrent_callers_and_streams_steps():
         raise Stop("the caller is gone")
 
     with pytest.raises(Stop):  # an on_step that raises ends its own sequence only
-        server.submit(Request(ps[0], max_new_tokens=12, on_step=stop)).result(timeout=60)
-    assert server.submit(Request(ps[1], max_new_tokens=12)).result(timeout=60).tokens == truths[1]
+        server.submit(Request(ps[0], params=SamplingParams(max_new_tokens=12), on_step=stop)).result(timeout=60)
+    assert server.submit(Request(ps[1], params=SamplingParams(max_new_tokens=12))).result(timeout=60).tokens == truths[1]

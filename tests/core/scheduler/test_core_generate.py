@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specsuite.core import Draft, DraftModelDrafter, Drafter, NoDrafter, PromptLookupDrafter, generate
+from specsuite.core import Draft, Drafter, DraftModelDrafter, generate, NoDrafter, PromptLookupDrafter, SamplingParams
 from specsuite.core.model.backend import EXACT_BF16, choose_backend
-from conftest import VOCAB, tiny_model, model_for, hf_greedy, prompts, OracleTreeDrafter
+from conftest import VOCAB, tiny_model, model_for, hf_greedy, policy, prompts, OracleTreeDrafter
 
 
 def test_fp32_prefill_verifies_a_draft_too():
@@ -24,7 +24,7 @@ def test_fp32_prefill_verifies_a_draft_too():
     for i, p in enumerate(prompts(6, seed=14, lengths=(2, 40))):
         truth = hf_greedy(model, p, 30)
         runs = {k: generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=25, eos_token_id=[],
-                            prefill_draft=k) for k in (None, 0, 3)}
+                            policy=None if k is None else policy(model, prefill_draft=k)) for k in (None, 0, 3)}
         for k, out in runs.items():
             assert out.tokens == truth[:25], (i, k)
         assert 0 < runs[None].stats.drafted[0] <= 16 and runs[3].stats.drafted[0] <= 3
@@ -33,7 +33,7 @@ def test_fp32_prefill_verifies_a_draft_too():
     bf16 = tiny_model("llama").to(torch.bfloat16)
     assert choose_backend(bf16, "exact").prefill_draft == 0 == choose_backend(bf16, "plain").prefill_draft
     with pytest.raises(ValueError, match="prefill_draft"):
-        generate(model, [1, 2, 3], max_new_tokens=2, prefill_draft=-1)
+        generate(model, [1, 2, 3], max_new_tokens=2, policy=policy(model, prefill_draft=-1))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -126,7 +126,7 @@ def test_oracle_token_trees_equal_hf_greedy(kind, attn, count, sizes, keep_path_
         n = (1, 4, 17, 40)[i % 4]
         truth = hf_greedy(model, p, n + 10)
         oracle = OracleTreeDrafter(p, truth, seed=i)
-        out = generate(model, p, oracle, max_new_tokens=n, eos_token_id=[], draft_sizes=sizes)
+        out = generate(model, p, oracle, max_new_tokens=n, eos_token_id=[], policy=policy(model, draft_sizes=sizes))
         assert out.tokens == truth[:n], f"prompt {i}"
         assert out.finish_reason == "length" and len(out.from_draft) == n
         assert sum(out.from_draft) == sum(out.stats.accepted) == oracle.accepted
@@ -215,7 +215,7 @@ def test_tie_guard_redo_keeps_greedy_output(margin):
     for i, p in enumerate(prompts(8, seed=12)):
         truth = hf_greedy(model, p, 25)
         oracle = OracleTreeDrafter(p, truth, seed=i, depth=(3, 8))
-        out = generate(model, p, oracle, max_new_tokens=20, eos_token_id=[], tie_margin=margin)
+        out = generate(model, p, oracle, max_new_tokens=20, eos_token_id=[], policy=policy(model, tie_margin=margin))
         assert out.tokens == truth[:20], f"prompt {i}"
         # the oracle always drafts: an undrafted step is a redo, or the last step when one token is left
         redone += sum(d == 0 for d in out.stats.drafted) - 1
@@ -254,7 +254,7 @@ def test_prompt_longer_than_the_context_is_rejected():
 
 def test_negative_tie_margin_is_rejected():
     with pytest.raises(ValueError, match="tie_margin"):
-        generate(model_for("llama"), [1, 2, 3], max_new_tokens=2, tie_margin=-0.1)
+        generate(model_for("llama"), [1, 2, 3], max_new_tokens=2, policy=policy(model_for("llama"), tie_margin=-0.1))
 
 
 @pytest.mark.parametrize("n", [0, -1])
@@ -277,7 +277,7 @@ def test_drafted_ids_outside_the_vocabulary_are_rejected(bad):
 
 def test_stop_strings_need_a_tokenizer():
     with pytest.raises(ValueError, match="tokenizer"):
-        generate(model_for("llama"), [1, 2, 3], max_new_tokens=5, stop_strings=["x"])
+        generate(model_for("llama"), [1, 2, 3], params=SamplingParams(max_new_tokens=5, stop_strings=["x"]))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -307,7 +307,7 @@ def test_a_near_tie_after_a_cached_prefix_is_decided_by_the_whole_prefill():
         cache = PrefixCache(model.config)
         generate(model, a, max_new_tokens=2, eos_token_id=[], prefix_cache=cache)
         out = generate(model, b, PromptLookupDrafter(), max_new_tokens=12, eos_token_id=[], prefix_cache=cache,
-                       tie_margin=margin)
+                       policy=policy(model, tie_margin=margin))
         assert out.tokens == hf_greedy(model, b, 12)
         assert (out.stats.cached_prompt_tokens > 0) == reused
 
@@ -321,13 +321,14 @@ def test_fp32_near_ties_of_prefill_and_one_token_steps_are_redone_as_plain_decod
     p = prompts(1, seed=5, lengths=(20, 21))[0]
     forwards = []  # every forward of the model embeds its tokens once
     hook = model.model.embed_tokens.register_forward_hook(lambda *a: forwards.append(1))
-    out = generate(model, p, NoDrafter(), max_new_tokens=6, eos_token_id=[], tie_margin=1e9)
+    out = generate(model, p, NoDrafter(), max_new_tokens=6, eos_token_id=[], policy=policy(model, tie_margin=1e9))
     hook.remove()
     assert out.tokens == hf_greedy(model, p, 6)
     assert out.stats.forward_passes == 2 + 2 * 5 == len(forwards)  # each forward counted once
     assert len(out.stats.accepted) == 1 + 2 * 5 and out.stats.prefill_s <= out.stats.total_s
     assert generate(model, p, NoDrafter(), max_new_tokens=6, eos_token_id=[]).tokens == out.tokens
     bf16 = tiny_model("llama").to(torch.bfloat16)
-    out = generate(bf16, p, NoDrafter(), max_new_tokens=6, eos_token_id=[], tie_margin=1e9,
-                   backend=choose_backend(bf16, "exact"))
+    exact = choose_backend(bf16, "exact")
+    out = generate(bf16, p, NoDrafter(), max_new_tokens=6, eos_token_id=[],
+                   policy=replace(exact.policy, tie_margin=1e9), backend=exact)
     assert out.tokens == hf_greedy(bf16, p, 6) and out.stats.forward_passes == 6

@@ -15,6 +15,7 @@ import functools
 import pytest
 import torch
 
+from specsuite.core import EngineConfig, SamplingParams
 from specsuite.core import (
     DraftModelDrafter, Generation, NoDrafter, PrefixCache, PromptLookupDrafter, TextPiece, eos_token_ids, generate,
     stream,
@@ -104,8 +105,7 @@ def test_stop_strings_cut_where_hf_cuts(lm, cases):
     for i, stops in [(0, ["fox"]), (0, ["zzz", "own f"]), (3, ["5, 6"]), (3, [","])]:
         ids, ref = cases[i]
         hf = hf_greedy(model, ids, eos, stop_strings=stops, tokenizer=tok)
-        out = generate(model, ids, PromptLookupDrafter(), max_new_tokens=MAX_NEW, stop_strings=stops, tokenizer=tok,
-                       backend=backend)
+        out = generate(model, ids, PromptLookupDrafter(), params=SamplingParams(max_new_tokens=MAX_NEW, stop_strings=stops), tokenizer=tok, backend=backend)
         assert out.tokens == hf, (stops, tok.decode(out.tokens), tok.decode(hf))
         assert out.finish_reason == "stop_string"
         assert out.tokens == ref[: len(out.tokens)]
@@ -114,8 +114,7 @@ def test_stop_strings_cut_where_hf_cuts(lm, cases):
         assert len(out.from_draft) == len(out.tokens) == out.stats.new_tokens
     # a stop string that never appears changes nothing
     ids, ref = cases[2]
-    out = generate(model, ids, PromptLookupDrafter(), max_new_tokens=MAX_NEW, stop_strings=["qqqq"], tokenizer=tok,
-                   backend=backend)
+    out = generate(model, ids, PromptLookupDrafter(), params=SamplingParams(max_new_tokens=MAX_NEW, stop_strings=["qqqq"]), tokenizer=tok, backend=backend)
     assert out.tokens == ref and out.finish_reason != "stop_string"
 
 
@@ -128,11 +127,11 @@ def test_the_batched_engine_cuts_at_stop_strings_as_generate_does(smollm2_fp32):
     eos = sorted(eos_token_ids(model, tok))
     asks = [(0, ["fox"]), (3, ["5, 6"]), (2, ["qqqq"]), (3, [","])]
     ids = [chat_prompt_ids(tok, *PROMPTS[i]) for i, _ in asks]
-    requests = [Request(p, PromptLookupDrafter(), max_new_tokens=MAX_NEW, stop_strings=stops, tokenizer=tok)
+    requests = [Request(p, PromptLookupDrafter(), SamplingParams(max_new_tokens=MAX_NEW, stop_strings=stops))
                 for p, (_, stops) in zip(ids, asks)]
-    results = dict(BatchEngine(model, 4, eos_token_id=eos, draft_budget=False).run(requests))
+    results = dict(BatchEngine(model, EngineConfig(4, draft_budget=False), eos_token_id=eos, tokenizer=tok).run(requests))
     for k, (p, (_, stops)) in enumerate(zip(ids, asks)):
-        alone = generate(model, p, PromptLookupDrafter(), max_new_tokens=MAX_NEW, stop_strings=stops, tokenizer=tok)
+        alone = generate(model, p, PromptLookupDrafter(), params=SamplingParams(max_new_tokens=MAX_NEW, stop_strings=stops), tokenizer=tok)
         assert results[k].tokens == alone.tokens and results[k].finish_reason == alone.finish_reason, stops
     assert [results[k].finish_reason for k in range(4)].count("stop_string") == 3
 
@@ -144,7 +143,7 @@ def test_stop_string_spanning_the_prompt_boundary_like_hf(lm, cases):
     ids, ref = cases[0]
     stop = "\n" + tok.decode(ref[:1])  # the prompt ends with "assistant\n"
     hf = hf_greedy(model, ids, eos, max_new_tokens=4, stop_strings=[stop], tokenizer=tok)
-    out = generate(model, ids, NoDrafter(), max_new_tokens=4, stop_strings=[stop], tokenizer=tok, backend=backend)
+    out = generate(model, ids, NoDrafter(), params=SamplingParams(max_new_tokens=4, stop_strings=[stop]), tokenizer=tok, backend=backend)
     assert out.tokens == hf
 
 

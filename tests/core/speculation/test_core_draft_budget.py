@@ -8,7 +8,7 @@ from specsuite.core import generate
 from specsuite.core.model.backend import choose_backend
 from specsuite.core.speculation.draft_budget import DraftBudget, GoodputCap, StepCost
 from specsuite.core.kernels.exact_linear import FP32_ROW_BUCKETS
-from conftest import tiny_model, model_for, hf_greedy, prompts, OracleTreeDrafter
+from conftest import tiny_model, model_for, hf_greedy, policy, prompts, OracleTreeDrafter
 
 
 def test_fp32_drafts_are_capped_by_their_expected_goodput():
@@ -21,14 +21,14 @@ def test_fp32_drafts_are_capped_by_their_expected_goodput():
     p = prompts(1, seed=3)[0]
     truth = hf_greedy(model, p, 60)
     out = generate(model, p, OracleTreeDrafter(p, truth, seed=0), max_new_tokens=50, eos_token_id=[],
-                   prefill_draft=0)
+                   policy=policy(model, prefill_draft=0))
     assert out.tokens == truth[:50] and max(out.stats.drafted) <= DraftBudget.CAPS[-1]
     laddered = generate(model, p, OracleTreeDrafter(p, truth, seed=0), max_new_tokens=50, eos_token_id=[],
-                        prefill_draft=0, draft_sizes=(3, 7, 15, 31))
+                        policy=policy(model, prefill_draft=0, draft_sizes=(3, 7, 15, 31)))
     assert laddered.tokens == truth[:50]
     assert laddered.stats.drafted[1] <= 3 and max(laddered.stats.drafted) <= 31
     uncapped = generate(model, p, OracleTreeDrafter(p, truth, seed=0), max_new_tokens=50, eos_token_id=[],
-                        draft_sizes=(), prefill_draft=0)
+                        policy=policy(model, draft_sizes=(), prefill_draft=0))
     assert uncapped.tokens == truth[:50] and uncapped.stats.drafted[1] > 3
     bf16 = tiny_model("llama").to(torch.bfloat16)
     # exact bf16: one rung, what its forms verify in one call per layer; plain: no cap

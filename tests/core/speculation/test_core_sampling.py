@@ -27,8 +27,9 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from specsuite.core import Draft, DraftModelDrafter, Drafter, Sampling, generate
+from specsuite.core import Draft, Drafter, DraftModelDrafter, generate, Sampling, SamplingParams
 from specsuite.core.speculation.verify import verify_sample, warp
+from conftest import policy
 
 steps_mod = importlib.import_module("specsuite.core.scheduler.sequence")  # where the loop verifies each step
 
@@ -310,8 +311,8 @@ def run_many(model, drafter_factory, sampling: Sampling, n: int, seed: int, pref
     for _ in range(n):
         # four tokens, so that the scored step may accept a draft two deep; the whole draft,
         # uncapped (draft_sizes=()), is verified
-        out = generate(model, PROMPT, drafter_factory(), max_new_tokens=4, sampling=sampling, generator=g,
-                       eos_token_id=[], draft_sizes=(), prefill_draft=prefill_draft)
+        out = generate(model, PROMPT, drafter_factory(), SamplingParams(4, sampling, g), eos_token_id=[],
+                       policy=policy(model, draft_sizes=(), prefill_draft=prefill_draft))
         pairs.append((out.tokens[at], out.tokens[at + 1]))
         accepted.append(out.stats.accepted[at])
     return empirical(pairs), accepted
