@@ -21,12 +21,12 @@ every row count a forward uses (on CPUs without VNNI, u8 x s8 pairs may saturate
 from __future__ import annotations
 
 import functools
-import time
 from typing import NamedTuple
 
 import torch
 
 from .exact_linear import PackedWeights
+from .timing import timed_seconds
 
 # Calls of fewer rows are zero-padded: the kernel is far slower on 1-2 rows than on 4
 # (docs/architecture-core.md, Measurements: int8 short calls and quantization).
@@ -125,10 +125,8 @@ def int8_kernel() -> str | None:
     """The int8 kernel this process uses: the first of KERNELS that gives the exact integer sums
     here (`_sums_exactly`) and is fast (`_pays`), else the first that is exact, else None. Chosen
     once per process, before any weight is quantized."""
-    exact = [k for k in KERNELS if _pays(k) and _sums_exactly(k)]
-    if exact:
-        return exact[0]
-    return next((k for k in KERNELS if _sums_exactly(k)), None)
+    fast = next((k for k in KERNELS if _pays(k) and _sums_exactly(k)), None)
+    return fast or next((k for k in KERNELS if _sums_exactly(k)), None)
 
 
 def int8_runs() -> bool:
@@ -142,10 +140,9 @@ def int8_pays() -> bool:
     return kernel is not None and _pays(kernel)
 
 
-def _random_weight(out_features: int, in_features: int, kernel: str) -> Int8Weight:
+def _random_int8(out_features: int, in_features: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
-    q = torch.randint(-QMAX, QMAX + 1, (out_features, in_features), generator=gen, dtype=torch.int8)
-    return _packed(q, torch.ones(out_features), kernel)
+    return torch.randint(-QMAX, QMAX + 1, (out_features, in_features), generator=gen, dtype=torch.int8)
 
 
 @functools.cache
@@ -158,8 +155,8 @@ def _sums_exactly(kernel: str) -> bool:
         return False
     gen = torch.Generator().manual_seed(1)
     try:
-        weight = _random_weight(160, 4864, kernel)  # wide enough for the kernel to block the input
-        w = weight.packed if kernel == "aten" else _random_weight(160, 4864, "aten").packed
+        w = _random_int8(160, 4864)  # wide enough for the kernel to block the input
+        weight = _packed(w, torch.ones(160), kernel)
         x = torch.randint(-QMAX, QMAX + 1, (300, 4864), generator=gen, dtype=torch.int8)
         exact = (x.double() @ w.double().T).float()
         return all(torch.equal(_int8_call(x[:m], weight), exact[:m]) for m in (*range(1, 41), 300))
@@ -177,15 +174,9 @@ def _pays(kernel: str) -> bool:
     x = torch.randn(MIN_ROWS, 896, generator=gen)
     bf16_x, bf16_weight = x.bfloat16(), torch.randn(4864, 896, generator=gen).bfloat16()
     try:
-        q, weight = quantize_rows(x)[0], _random_weight(4864, 896, kernel)
+        q, weight = quantize_rows(x)[0], _packed(_random_int8(4864, 896), torch.ones(4864), kernel)
         calls = {"int8": lambda: _int8_call(q, weight), "bf16": lambda: torch.nn.functional.linear(bf16_x, bf16_weight)}
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for rep in range(11):
-            for name, call in calls.items():
-                start = time.perf_counter()
-                call()
-                if rep:
-                    times[name].append(time.perf_counter() - start)
+        times = timed_seconds(lambda name, _: calls[name], list(calls), [MIN_ROWS], reps=10)
     except (RuntimeError, NotImplementedError, AttributeError):
         return False
-    return min(times["int8"]) <= 2 * min(times["bf16"])
+    return min(times["int8"][MIN_ROWS]) <= 2 * min(times["bf16"][MIN_ROWS])

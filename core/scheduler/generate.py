@@ -58,9 +58,11 @@ def generate(
         if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
             raise ValueError(f"one prompt at a time: expected (T,) or (1, T) token ids, got {tuple(prompt.shape)}")
         prompt = prompt.reshape(-1).tolist()
-    if params is not None and max_new_tokens is not None:
-        raise ValueError("give max_new_tokens in params, or alone")
-    params = params or SamplingParams(**({} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}))
+    if max_new_tokens is not None:
+        if params is not None:
+            raise ValueError("give max_new_tokens in params, or alone")
+        params = SamplingParams(max_new_tokens)
+    params = params or SamplingParams()
     # The prompt, the parameters and the tokenizer's presence are checked where the engine admits it.
     backend = backend or choose_backend(model)
     config = EngineConfig(1, backend=backend, draft_budget=False, policy=policy or backend.policy)
