@@ -48,6 +48,7 @@ class ChatRequest:
     seed: int | None = None
     k: int | None = None  # specsuite-rag: passages to retrieve (an extra body field)
     include_usage: bool = False  # stream_options.include_usage: a last chunk with `usage`
+    ignore_eos: bool = False  # an extra body field, as vLLM's: go on to max_tokens past the end token
 
     @property
     def last_user_text(self) -> str:
@@ -124,6 +125,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(options, dict):
         raise InputError("'stream_options' must be an object")
     k = body.get("k")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise InputError(f"'ignore_eos' must be true or false, got {ignore_eos!r}")
     temperature, top_p = _number(body, "temperature", 0.0, 2.0), _number(body, "top_p", 0.0, 1.0)
     if top_p == 0:  # only the most likely token is left: greedy decoding
         temperature, top_p = None, 1.0
@@ -131,7 +135,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         model=model, messages=messages, stream=stream, max_tokens=max_tokens,
         temperature=temperature, top_p=1.0 if top_p is None else top_p,
         stop=list(stop), seed=seed, k=None if k is None else check_k(k),
-        include_usage=bool(options.get("include_usage")),
+        include_usage=bool(options.get("include_usage")), ignore_eos=ignore_eos,
     )
 
 

@@ -146,7 +146,7 @@ class ChatService:
         generator = torch.Generator().manual_seed(req.seed) if sampling and req.seed is not None else None
         plan.requests = [dataclasses.replace(r, params=SamplingParams(
                              min(r.params.max_new_tokens, req.max_tokens or r.params.max_new_tokens),
-                             sampling, generator, tuple(req.stop))) for r in plan.requests]
+                             sampling, generator, tuple(req.stop), req.ignore_eos)) for r in plan.requests]
         store = self.batch.engine.store
         for r in plan.requests:  # refused now, not after the batch drained for it
             if not store.fits(len(r.prompt) + r.params.max_new_tokens):

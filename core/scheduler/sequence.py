@@ -72,12 +72,14 @@ class Generation:
 class SamplingParams:
     """What one request asks of its output: at most `max_new_tokens` tokens, greedy (`sampling`
     None) or sampled by `sampling` with `generator` as the source of randomness, ending where its
-    text first contains one of `stop_strings` (the engine needs the tokenizer for them)."""
+    text first contains one of `stop_strings` (the engine needs the tokenizer for them), and at
+    the end-of-sequence token unless `ignore_eos` (fixed-length outputs, for load tests)."""
 
     max_new_tokens: int = 256
     sampling: Sampling | None = None
     generator: torch.Generator | None = None
     stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         self.stop_strings = tuple(self.stop_strings)
@@ -157,7 +159,8 @@ class Sequence:
     def __init__(self, index: int, request: Request, eos: set[int], context: int, cached: int = 0,
                  backend: str = "", policy: DraftPolicy = DraftPolicy(), tokenizer=None) -> None:
         prompt, params = list(request.prompt), request.params
-        self.index, self.request, self.eos, self.context = index, request, eos, context
+        self.index, self.request, self.context = index, request, context
+        self.eos = set() if params.ignore_eos else eos
         self.prompt, self.params, self.sampling, self.tokenizer = prompt, params, params.sampling, tokenizer
         self.drafter = request.drafter or NoDrafter()
         self.max_new_tokens = min(params.max_new_tokens, context - len(prompt))

@@ -82,7 +82,8 @@ def test_parse_chat_request_checks_the_body():
                           ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
                           ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature"),
                           ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n=1"),
-                          ({"model": "m", "messages": [{"role": "user", "content": "x"}], "k": 0}, "k")]:
+                          ({"model": "m", "messages": [{"role": "user", "content": "x"}], "k": 0}, "k"),
+                          ({"model": "m", "messages": [{"role": "user", "content": "x"}], "ignore_eos": 1}, "ignore_eos")]:
         with pytest.raises(InputError, match=message):
             api.parse_chat_request(body)
     with pytest.raises(InputError, match="no user message"):
@@ -192,7 +193,7 @@ def test_a_caller_gone_before_its_reply_ends_its_sequence(server):
     import httpx
 
     service, url = server
-    body = {"model": "smollm2-135m", "max_tokens": 2000,
+    body = {"model": "smollm2-135m", "max_tokens": 2000, "ignore_eos": True,  # long on every CPU
             "messages": [{"role": "user", "content": "Count from one to one thousand in words, one number a line."}]}
     try:
         reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=1.5))

@@ -165,6 +165,9 @@ def test_eos_as_a_set_and_as_the_first_token():
     truth = hf_greedy(model, p, 10)
     out = generate(model, p, PromptLookupDrafter(), max_new_tokens=10, eos_token_id={truth[0], 12345})
     assert out.tokens == truth[:1] and out.finish_reason == "eos"
+    # ignore_eos: the greedy continuation goes on through the end token to max_new_tokens
+    out = generate(model, p, PromptLookupDrafter(), SamplingParams(10, ignore_eos=True), eos_token_id={truth[0], 12345})
+    assert out.tokens == truth and out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
