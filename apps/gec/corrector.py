@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Generator, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 
 from specsuite.core import Generation, PromptLookupDrafter, TextPiece, eos_token_ids, generate, turn_end_token
@@ -184,7 +184,7 @@ class Corrector:
 
     def _correct_batched(self, texts: Iterable[str], batch_size: int) -> Iterator[Correction | Exception]:
         engine = self._batch_engine()
-        engine.batch_size = batch_size
+        engine.config = replace(engine.config, batch_size=batch_size)
 
         def plan(text: str) -> tuple[tuple[str, list[Segment]], list[Request]]:
             check_source(self, text)  # as correct() does

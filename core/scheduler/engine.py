@@ -80,7 +80,7 @@ class BatchEngine:
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_token_id: int | Iterable[int] | None = None,
                  tokenizer=None, cost: StepCost | None = None, store: KVStore | None = None) -> None:
-        self.model, self.config, self.batch_size, self.tokenizer = model, config, config.batch_size, tokenizer
+        self.model, self.config, self.tokenizer = model, config, tokenizer
         self.store = SlotStore(model, config.prefix, config.kv_budget_bytes, config.backend) if store is None else store
         if eos_token_id is None:
             self.eos = eos_token_ids(model, tokenizer)
@@ -91,6 +91,11 @@ class BatchEngine:
         self.forward_passes = 0
         self.reset()
         self.budget = DraftBudget(cost or self.measure_step_cost()) if config.draft_budget else None
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences in flight at most (the config's: set `config` to change it between runs)."""
+        return self.config.batch_size
 
     def measure_step_cost(self, rows: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), reps: int = 3,
                           cache_dir: str | Path | None = None) -> StepCost:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -89,7 +90,7 @@ class GecRuns:
 
     def batched(self, batch_size: int) -> Callable[[list[int]], list[list[int]]]:
         def run(idx: list[int]) -> list[list[int]]:
-            self.engine.batch_size = batch_size
+            self.engine.config = replace(self.engine.config, batch_size=batch_size)
             requests = [Request(self.prompts[i], self._drafter(i), SamplingParams(self.max_new_tokens)) for i in idx]
             out = dict(self.engine.run(requests))
             return [out[k].tokens for k in range(len(idx))]
