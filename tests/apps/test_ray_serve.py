@@ -36,6 +36,11 @@ def replicas(smollm2_fp32, tmp_path_factory):
                               "--model", "smollm2-135m", "--dtype", "fp32", "--exact", "--no-ui", "--batch-size", "4",
                               "--drain-timeout", "20", timeout=300)
     try:
+        # The proxy answers once one replica runs; the tests need both (Ray routes only to running ones).
+        deadline = time.monotonic() + 240
+        while len(replica_ids(url, 10)) < 2:
+            assert time.monotonic() < deadline, "the second replica did not start"
+            time.sleep(1)
         yield url, proc
     finally:
         if proc.poll() is None:
