@@ -102,7 +102,8 @@ def _cmd(args: argparse.Namespace) -> int:
     print(format_costs(costs))
     if 1 in rows:
         print(format_bandwidth(model, costs, args.context, copy_bandwidth()))
-    print(f"the apps run the {choose_backend(model).label!r} backend for this model here (choose_backend)")
+    print(f"backends for this model here (choose_backend): {choose_backend(model, 'fast').label!r} by default, "
+          f"{choose_backend(model, 'auto').label!r} with --exact")
     return 0
 
 

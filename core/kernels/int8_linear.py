@@ -15,7 +15,10 @@ The numerics are not bf16's: greedy output is identical to this backend's own on
 decoding, not to bf16 greedy (docs/exactness.md). Each weight is quantized once, on first use, by
 symmetric per-channel scales (absmax / 127); each row of activations when it is computed, by its
 own absmax. `int8_runs` checks once per process that the kernel gives the exact integer sums at
-every row count a forward uses (on CPUs without VNNI, u8 x s8 pairs may saturate in 16 bits).
+every row count a forward uses. On CPUs without VNNI (AVX2 only) oneDNN sums u8 x s8 pairs in 16
+bits with saturation (the s8 activations shifted to u8): 8-bit weights can overflow there, weights
+of -64..64 cannot (2 x 255 x 64 < 2^15), so such a CPU gets weights of 7 bits and a sign
+(`Int8Kernel.weight_max`), the activations keep their 8 bits (docs/exactness.md, int8 on AVX2).
 """
 
 from __future__ import annotations
@@ -33,6 +36,18 @@ from .timing import timed_seconds
 MIN_ROWS = 4
 QUANTIZE_ROWS = 1024  # rows of a weight quantized at a time (fp32 temporaries of a few MB)
 QMAX = 127  # symmetric int8: -127..127 (the kernel's s8 x s8 products fit int32 sums of any input width here)
+REDUCED_WEIGHT_MAX = 64  # weights of -64..64 where 8-bit ones saturate (see the module docstring)
+
+
+class Int8Kernel(NamedTuple):
+    """The int8 kernel a process uses: "onednn" or "aten" (`KERNELS`), and the weights' range."""
+
+    name: str
+    weight_max: int = QMAX
+
+    @property
+    def label(self) -> str:
+        return "int8" if self.weight_max == QMAX else f"int8 (weights -{self.weight_max}..{self.weight_max}: no VNNI)"
 
 
 class Int8Weights(PackedWeights):
@@ -70,14 +85,16 @@ class Int8Weight(NamedTuple):
 def _quantized_weight(weight: torch.Tensor) -> Int8Weight:
     """In blocks of rows: whole-weight fp32 temporaries of a large output layer made the first int8
     forward slow (docs/architecture-core.md, Measurements: int8 short calls and quantization)."""
+    kernel = int8_kernel() or Int8Kernel("onednn")
+    top = kernel.weight_max
     w = weight.detach()
-    scale = w.abs().amax(dim=1).float().clamp_(min=1e-12) / QMAX  # a max is exact in any float dtype
+    scale = w.abs().amax(dim=1).float().clamp_(min=1e-12) / top  # a max is exact in any float dtype
     q = torch.empty(w.shape, dtype=torch.int8)
     for start in range(0, w.shape[0], QUANTIZE_ROWS):
         rows = slice(start, start + QUANTIZE_ROWS)
         block = w[rows].to(torch.float32, copy=True)  # a copy: scaled in place (an fp32 weight's rows are no copy)
-        q[rows] = block.div_(scale[rows, None]).round_().clamp_(-QMAX, QMAX)  # integers: exact in int8
-    return _packed(q, scale, int8_kernel() or "onednn")
+        q[rows] = block.div_(scale[rows, None]).round_().clamp_(-top, top)  # integers: exact in int8
+    return _packed(q, scale, kernel.name)
 
 
 def _packed(q: torch.Tensor, scale: torch.Tensor, kernel: str) -> Int8Weight:
@@ -116,17 +133,19 @@ def int8_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int, weights: Int8
 
 # The int8 kernels, in order of preference: oneDNN's s8 x s8 matmul on weights packed once (fast
 # with AMX), ATen's `_int_mm` (oneDNN's s8 gemm; fast on avx512_vnni CPUs without AMX, where the
-# first falls back to a reference kernel: ~180 ms a call on an AMD Zen 4, docs/exactness.md, int8).
+# first falls back to a reference kernel: docs/exactness.md, int8). Each with 8-bit weights first,
+# then with REDUCED_WEIGHT_MAX where 8-bit ones saturate (CPUs without VNNI).
 KERNELS = ("onednn", "aten")
+CANDIDATES = tuple(Int8Kernel(k, top) for top in (QMAX, REDUCED_WEIGHT_MAX) for k in KERNELS)
 
 
 @functools.cache
-def int8_kernel() -> str | None:
-    """The int8 kernel this process uses: the first of KERNELS that gives the exact integer sums
+def int8_kernel() -> Int8Kernel | None:
+    """The int8 kernel this process uses: the first of CANDIDATES that gives the exact integer sums
     here (`_sums_exactly`) and is fast (`_pays`), else the first that is exact, else None. Chosen
     once per process, before any weight is quantized."""
-    fast = next((k for k in KERNELS if _pays(k) and _sums_exactly(k)), None)
-    return fast or next((k for k in KERNELS if _sums_exactly(k)), None)
+    fast = next((k for k in CANDIDATES if _pays(k.name) and _sums_exactly(k)), None)
+    return fast or next((k for k in CANDIDATES if _sums_exactly(k)), None)
 
 
 def int8_runs() -> bool:
@@ -137,27 +156,31 @@ def int8_runs() -> bool:
 def int8_pays() -> bool:
     """Whether this process's int8 kernel is also fast here (the `fast` kind takes it)."""
     kernel = int8_kernel()
-    return kernel is not None and _pays(kernel)
+    return kernel is not None and _pays(kernel.name)
 
 
-def _random_int8(out_features: int, in_features: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(0)
-    return torch.randint(-QMAX, QMAX + 1, (out_features, in_features), generator=gen, dtype=torch.int8)
+def _random_int8(out_features: int, in_features: int, top: int = QMAX, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-top, top + 1, (out_features, in_features), generator=gen, dtype=torch.int8)
 
 
 @functools.cache
-def _sums_exactly(kernel: str) -> bool:
-    """Whether `kernel` gives the exact integer sums at 1..40 rows and at a prefill's row count
-    (random integers against float64 sums; on CPUs without VNNI, u8 x s8 pairs may saturate in
-    16 bits)."""
-    if kernel == "onednn" and not (torch.backends.mkldnn.is_available()
-                                   and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+def _sums_exactly(kernel: Int8Kernel) -> bool:
+    """Whether `kernel` gives the exact integer sums at 1..40 rows and at a prefill's row count:
+    random integers, and rows and columns at the extremes of their ranges (where 16-bit pair sums
+    saturate first), against float64 sums."""
+    if kernel.name == "onednn" and not (torch.backends.mkldnn.is_available()
+                                        and hasattr(torch.ops.onednn, "qlinear_pointwise")):
         return False
-    gen = torch.Generator().manual_seed(1)
+    top = kernel.weight_max
     try:
-        w = _random_int8(160, 4864)  # wide enough for the kernel to block the input
-        weight = _packed(w, torch.ones(160), kernel)
-        x = torch.randint(-QMAX, QMAX + 1, (300, 4864), generator=gen, dtype=torch.int8)
+        w = _random_int8(160, 4864, top)  # wide enough for the kernel to block the input
+        w[:8] = top
+        w[8:16] = -top
+        weight = _packed(w, torch.ones(160), kernel.name)
+        x = _random_int8(300, 4864, QMAX, seed=1)
+        x[:4] = QMAX
+        x[4:8] = -QMAX
         exact = (x.double() @ w.double().T).float()
         return all(torch.equal(_int8_call(x[:m], weight), exact[:m]) for m in (*range(1, 41), 300))
     except (RuntimeError, NotImplementedError):  # no int8 kernel of that kind for this CPU
@@ -166,17 +189,19 @@ def _sums_exactly(kernel: str) -> bool:
 
 @functools.cache
 def _pays(kernel: str) -> bool:
-    """Whether `kernel` is fast here: a 4-row call on a 4864 x 896 int8 weight takes at most twice
-    the same call in bf16 (`F.linear`), fastest of 10 alternated timings after a warm-up. The
-    margin keeps the choice, and so the numerics, the same from one process to the next: where an
-    int8 kernel is fast it took 0.3-0.6x bf16 here, where it is not ~700x (docs/exactness.md, int8)."""
+    """Whether `kernel` ("onednn" or "aten") is fast here: a 4-row call on a 4864 x 896 int8 weight
+    takes at most twice the same call in bf16 or fp32 (`F.linear`, the faster: a CPU without bf16
+    runs fp32 models), fastest of 10 alternated timings after a warm-up. The margin keeps the
+    choice, and so the numerics, the same from one process to the next: where an int8 kernel is
+    fast it took 0.3-0.6x bf16 here, where it is not ~700x (docs/exactness.md, int8)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(MIN_ROWS, 896, generator=gen)
-    bf16_x, bf16_weight = x.bfloat16(), torch.randn(4864, 896, generator=gen).bfloat16()
+    x, float_weight = torch.randn(MIN_ROWS, 896, generator=gen), torch.randn(4864, 896, generator=gen)
+    floats = {dtype: (x.to(dtype), float_weight.to(dtype)) for dtype in (torch.bfloat16, torch.float32)}
     try:
         q, weight = quantize_rows(x)[0], _packed(_random_int8(4864, 896), torch.ones(4864), kernel)
-        calls = {"int8": lambda: _int8_call(q, weight), "bf16": lambda: torch.nn.functional.linear(bf16_x, bf16_weight)}
+        calls = {"int8": lambda: _int8_call(q, weight),
+                 **{str(d): (lambda d=d: torch.nn.functional.linear(*floats[d])) for d in floats}}
         times = timed_seconds(lambda name, _: calls[name], list(calls), [MIN_ROWS], reps=10)
     except (RuntimeError, NotImplementedError, AttributeError):
         return False
-    return min(times["int8"][MIN_ROWS]) <= 2 * min(times["bf16"][MIN_ROWS])
+    return min(times["int8"][MIN_ROWS]) <= 2 * min(min(times[str(d)][MIN_ROWS]) for d in floats)

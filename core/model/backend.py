@@ -48,7 +48,7 @@ from ..speculation.draft_budget import DraftPolicy, StepCost, cost_file
 from . import forward as llama
 from ..kernels.exact_linear import (FP32_FORMS, Fp32Forms, FP32_ROW_BUCKETS, PLAIN_ROWS, PackedWeights, bf16_rows,
                                     fp32_linear, packed_bf16_runs, packed_rows, short_call_rows)
-from ..kernels.int8_linear import Int8Weights, int8_pays, int8_rows, int8_runs
+from ..kernels.int8_linear import Int8Weights, int8_kernel, int8_pays, int8_rows, int8_runs
 from ..kernels.logit_screen import LogitScreen
 from ..kernels.row_plan import RowPlan
 from ..speculation.verify import tree_attention_mask
@@ -123,8 +123,10 @@ class Backend:
 
     @property
     def label(self) -> str:
-        """The name, with the logit screen where it is on (for reports)."""
-        return self.name + (" + logit screen" if self.screen is not None else "")
+        """The name, with int8's weight range where it is reduced and the logit screen where it is on
+        (for reports)."""
+        kernel = int8_kernel() if self.name == "int8" else None
+        return (kernel.label if kernel else self.name) + (" + logit screen" if self.screen is not None else "")
 
     def plan(self, block: int, total: int) -> RowPlan | None:
         """How one forward of `total` rows, whose first `block` run as a prefill does, computes
@@ -240,7 +242,7 @@ def _choose(model, kind: str) -> Backend:
     if kind == "int8":
         if not int8_fits(model):
             raise ValueError("the int8 backend needs a Llama-family model (Llama, Qwen2) in bf16 or fp32 on a CPU "
-                             "whose oneDNN int8 kernel sums exactly (avx512_vnni or AMX)")
+                             "whose oneDNN int8 kernel sums exactly")
         return INT8
     if kind == "plain" or not cpu or not llama.supports(model) or model.dtype not in (torch.bfloat16, torch.float32):
         return plain_backend(model.dtype)

@@ -1,9 +1,15 @@
 """The int8 linear layers (core/kernels/int8_linear.py) and the `int8` backend: every row of a call of any
 row count comes out bit for bit as its one-row call; `generate()` and the batched engine are token
-for token the backend's own one-token greedy decoding. Where oneDNN's int8 kernel does not sum
-exactly (no avx512_vnni/AMX) the backend is refused, and these are visible skips."""
+for token the backend's own one-token greedy decoding. Where no int8 kernel sums exactly the
+backend is refused, and these are visible skips. The whole module runs again with oneDNN capped
+at AVX2, as on a CPU without VNNI (`test_an_avx2_only_cpu_...`)."""
 
 from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,8 +18,8 @@ from specsuite.core import EngineConfig, generate, SamplingParams
 from specsuite.core.model.backend import choose_backend
 from specsuite.core.speculation.draft_budget import StepCost
 from specsuite.core.scheduler.engine import BatchEngine, Request
-from specsuite.core.kernels.int8_linear import Int8Weights, int8_rows, int8_runs, quantize_rows
-from conftest import QWEN_LINEARS, OracleTreeDrafter, prompts, tiny_model
+from specsuite.core.kernels.int8_linear import Int8Weights, int8_kernel, int8_rows, int8_runs, quantize_rows
+from conftest import QWEN_LINEARS, REPO, OracleTreeDrafter, prompts, tiny_model
 
 needs_int8 = pytest.mark.skipif(not int8_runs(), reason="oneDNN's int8 kernel does not give exact sums on this CPU")
 
@@ -113,3 +119,24 @@ def test_fast_is_int8_where_it_runs_and_the_models_own_numerics_elsewhere(monkey
     assert choose_backend(fp32, "fast").name == choose_backend(fp32, "auto").name
     with pytest.raises(ValueError, match="int8 backend needs"):
         choose_backend(fp32, "int8")
+
+
+# What a CPU with AVX2 and no VNNI computes, on any x86 CPU: oneDNN (and with it ATen's `_int_mm`),
+# ATen and MKL dispatch no kernel beyond AVX2.
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AVX2 is an x86 instruction set")
+def test_an_avx2_only_cpu_gets_7_bit_weights_and_passes_this_module():
+    """Without VNNI, 8-bit weights saturate oneDNN's 16-bit pair sums; weights of -64..64 cannot, so
+    int8 runs there with them, and every test above holds for it (run in a process capped at AVX2)."""
+    probe = ("from specsuite.core.kernels.int8_linear import CANDIDATES, _sums_exactly, int8_kernel\n"
+             "print([_sums_exactly(k) for k in CANDIDATES[:2]], int8_kernel(), int8_kernel().label)")
+    env = {**os.environ, **AVX2_ONLY}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.split("]")[0] == "[False, False", out.stdout  # 8-bit weights are refused there
+    assert "weight_max=64" in out.stdout and "no VNNI" in out.stdout, out.stdout  # and reports say so
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2_only"],
+                         env=env, cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0 and " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-3000:]
+
