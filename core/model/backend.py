@@ -194,9 +194,11 @@ FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, dr
 # (int8_linear.py). Its integer sums make every row of any call round as a one-token step's, so
 # prefill, draft and batched rows all take one call on the packed int8 weights, and greedy output
 # is identical to this backend's own one-token greedy decoding (not to bf16 greedy's). The
-# attention stays in the model's dtype, draft rows as one-row calls (exact_attention.py).
+# attention stays in the model's dtype, draft rows as one-row calls (exact_attention.py). A prefix
+# cache is lossless: the linear rows do not depend on the call, and the attention of a block after
+# cached keys rounds as the whole prompt's prefill (exact_attention.py's `_prefill_block`).
 INT8 = Backend("int8", int8_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(PLAIN_ROWS - 1,),
-               engine_linear=int8_rows, store=Int8Weights)
+               lossless_prefix_cache=True, engine_linear=int8_rows, store=Int8Weights)
 PLAIN = Backend("plain", None, exact_rows=False, tie_margin=0.0)
 PLAIN_TIE_MARGIN = {torch.float32: 1e-3}
 # plain-packed: where the exact forms cost too much (e.g. without AMX), plain calls still repack the

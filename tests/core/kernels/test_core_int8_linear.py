@@ -18,6 +18,7 @@ from specsuite.core import EngineConfig, generate, SamplingParams
 from specsuite.core.model.backend import choose_backend
 from specsuite.core.speculation.draft_budget import StepCost
 from specsuite.core.scheduler.engine import BatchEngine, Request
+from specsuite.core.scheduler.prefix_cache import PrefixCache
 from specsuite.core.kernels.int8_linear import Int8Weights, int8_kernel, int8_rows, int8_runs, quantize_rows
 from conftest import QWEN_LINEARS, REPO, OracleTreeDrafter, prompts, tiny_model
 
@@ -95,6 +96,25 @@ def test_int8_generate_and_engine_are_int8_greedy_token_for_token(kind, dtype):
         requests = [Request(p, OracleTreeDrafter(p, t, seed=i), SamplingParams(max_new_tokens=30)) for i, (p, t) in enumerate(zip(ps, truths))]
         assert [g.tokens for _, g in sorted(engine.run(requests), key=lambda r: r[0])] == truths
 
+
+@needs_int8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_with_a_prefix_cache_decodes_as_without(dtype):
+    """Prompts after a cached shared prefix (GEC's instruction) run only their own rows: with int8's
+    row-independent sums and the attention of `_prefill_block`, their tokens are those of the whole
+    prompt's prefill, so the backend keeps a prefix cache (`lossless_prefix_cache`)."""
+    model = tiny_model("qwen2", max_positions=512).to(dtype)
+    backend = choose_backend(model, "int8")
+    assert backend.lossless_prefix_cache
+    shared = prompts(1, seed=5, lengths=(90, 90))[0]
+    cache = PrefixCache(model.config)
+    for i, tail in enumerate(prompts(6, seed=6, lengths=(2, 40))):
+        p = shared + tail
+        plain = generate(model, p, None, max_new_tokens=20, eos_token_id=[], backend=backend)
+        cached = generate(model, p, OracleTreeDrafter(p, plain.tokens, seed=i), max_new_tokens=20, eos_token_id=[],
+                          backend=backend, prefix_cache=cache)
+        assert cached.tokens == plain.tokens, i
+        assert (cached.stats.cached_prompt_tokens > 0) == (i > 0)
 
 def test_int8_is_refused_where_it_cannot_run_as_stated():
     model = tiny_model("llama", attn="eager")  # not a forward of core/model/forward.py
