@@ -245,7 +245,7 @@ def _choose(model, kind: str) -> Backend:
         if not int8_fits(model):
             raise ValueError("the int8 backend needs a Llama-family model (Llama, Qwen2) in bf16 or fp32 on a CPU "
                              "whose oneDNN int8 kernel sums exactly")
-        return INT8
+        return replace(INT8, draft_cost=int8_step_cost(model))
     if kind == "plain" or not cpu or not llama.supports(model) or model.dtype not in (torch.bfloat16, torch.float32):
         return plain_backend(model.dtype)
     if model.dtype == torch.float32:
@@ -301,6 +301,13 @@ def fp32_forms(model) -> tuple[str, ...]:
     """The fastest fp32 kernel form for each of FP32_ROW_BUCKETS row counts (`_fp32_form_costs`)."""
     costs = _fp32_form_costs(model)
     return tuple(min(FP32_FORMS, key=lambda form: costs[form][rows]) for rows in FP32_ROW_BUCKETS)
+
+
+def int8_step_cost(model) -> StepCost:
+    """The cost of an int8 verify forward by row count (measured once per machine and model, kept
+    on disk): drafts are capped on it (`GoodputCap`), since without AMX the int8 kernels' cost
+    grows with the rows (docs/exactness.md, int8 on AVX2)."""
+    return StepCost(_measured(model, "int8", [INT8], list(FP32_ROW_BUCKETS))[INT8.name])
 
 
 def fp32_step_cost(model) -> StepCost:
