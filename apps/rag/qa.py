@@ -300,8 +300,8 @@ class RagQA:
     def _batch_server(self) -> BatchServer:
         with self._lock:
             if self._server is None:
-                self._server = BatchServer(BatchEngine(self.model, EngineConfig(self.batch_size, backend=self.backend),
-                                                       eos_token_id=self.eos))
+                config = EngineConfig(self.batch_size, backend=self.backend, prefix_cache=self.prefix_cache)
+                self._server = BatchServer(BatchEngine(self.model, config, eos_token_id=self.eos))
             return self._server
 
     def job_worker(self, k: int = 5, batch_size: int = 16) -> JobWorker:

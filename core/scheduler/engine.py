@@ -40,6 +40,7 @@ from ..speculation.draft import Draft
 from ..model.backend import Backend
 from ..speculation.draft_budget import DraftBudget, DraftPolicy, StepCost
 from .kv import KVStore, SlotStore
+from .prefix_cache import PrefixCache
 from .sequence import Generation, Request, Sequence, context_length, eos_token_ids
 from ..speculation.verify import top_two
 
@@ -56,7 +57,8 @@ class EngineConfig:
     whose KV is computed once and copied into each slot. backend: how the forwards are computed
     (None: `choose_backend(model)`, chosen once by the engine). draft_budget: cap every step's
     drafts by the measured step cost and each slot's acceptance (`DraftBudget`; False: every
-    draft whole). policy: each sequence's own draft policy (`generate()` runs its backend's)."""
+    draft whole). policy: each sequence's own draft policy (`generate()` runs its backend's).
+    prefix_cache: prompts' KV kept across requests (a `PrefixCache`; see `SlotStore`)."""
 
     batch_size: int = 16
     kv_budget_bytes: int = 4 << 30
@@ -64,6 +66,7 @@ class EngineConfig:
     backend: Backend | None = None
     draft_budget: bool = True
     policy: DraftPolicy = DraftPolicy()
+    prefix_cache: PrefixCache | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -81,7 +84,7 @@ class BatchEngine:
     def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_token_id: int | Iterable[int] | None = None,
                  tokenizer=None, cost: StepCost | None = None, store: KVStore | None = None) -> None:
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        self.store = SlotStore(model, config.prefix, config.kv_budget_bytes, config.backend) if store is None else store
+        self.store = SlotStore(model, config.prefix, config.kv_budget_bytes, config.backend, config.prefix_cache) if store is None else store
         if eos_token_id is None:
             self.eos = eos_token_ids(model, tokenizer)
         else:

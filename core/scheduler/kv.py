@@ -64,17 +64,19 @@ class SlotStore:
     positions; a rejected draft is simply overwritten by the next step (as gpt-fast does).
     prefix: token ids most prompts start with, whose KV is computed once and copied into each slot.
     kv_budget_bytes: sequences wait for a slot rather than grow the cache beyond this. backend: how
-    the forwards are computed (default: `choose_backend(model)`, chosen once here)."""
+    the forwards are computed (default: `choose_backend(model)`, chosen once here). prefix_cache:
+    prompts' KV kept across requests (a `PrefixCache`): a prompt starts from its longest cached
+    prefix (the same passages in RAG), and leaves its own KV there once prefilled."""
 
     name = "batch"  # what `GenerationStats.backend` reports
     plain_steps = False  # no row is computed as plain one-token decoding computes it
 
     def __init__(self, model, prefix: list[int] | None = None, kv_budget_bytes: int = 4 << 30,
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None, prefix_cache=None) -> None:
         if not packed.supports(model):
             raise ValueError(f"the batched engine runs Llama-family decoders with full attention, not "
                              f"{model.config.model_type!r} ({model.config._attn_implementation})")
-        self.model, self.kv_budget_bytes = model, kv_budget_bytes
+        self.model, self.kv_budget_bytes, self.prefix_cache = model, kv_budget_bytes, prefix_cache
         self.backend = backend or choose_backend(model)
         config = model.config
         self.layers = model.model.layers[: config.num_hidden_layers]
@@ -141,7 +143,12 @@ class SlotStore:
             raise ValueError(f"a sequence of {need} tokens does not fit the KV budget of {self.kv_budget_bytes} bytes")
         self.ensure(in_use, need, batch_size)
         cached = len(self.prefix) if len(prompt) > len(self.prefix) and prompt[: len(self.prefix)] == self.prefix else 0
-        for (k, v), keys, values in zip(self.prefix_kv if cached else [], self.keys, self.values):
+        kv = self.prefix_kv if cached else []
+        if self.prefix_cache is not None:
+            longer, n = self.prefix_cache.longest(prompt)
+            if n > cached:
+                kv, cached = [(k[0], v[0]) for k, v in longer], n
+        for (k, v), keys, values in zip(kv, self.keys, self.values):
             keys[slot, :, :cached] = k
             values[slot, :, :cached] = v
         return cached
@@ -150,6 +157,8 @@ class SlotStore:
         return packed.forward(self.model, self.backend, self.keys, self.values, seqs, drafts, where=slots)
 
     def keep(self, slot: int, seq: Sequence, base: int, path: list[int], prefilled: bool) -> None:
+        if prefilled and self.prefix_cache is not None and base >= len(seq.prompt):  # the whole prompt's KV is in
+            self.prefix_cache.put(seq.prompt, [(k[slot: slot + 1], v[slot: slot + 1]) for k, v in zip(self.keys, self.values)])
         keep_path((layer[slot] for store in (self.keys, self.values) for layer in store), base, path)
 
     def release(self, slot: int) -> None:

@@ -50,6 +50,14 @@ class PrefixCache:
         """A cache holding the KV of the longest cached prefix of `prompt` (never all of it: the
         last prompt token must run to give logits), and that prefix's length."""
         cache = DynamicCache(config=self.config)
+        kv, n = self.longest(prompt)
+        for layer, (k, v) in enumerate(kv):
+            cache.update(k, v, layer)
+        return cache, n
+
+    def longest(self, prompt: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """The keys and values, per layer (1, heads, n, dim), of the longest cached prefix of
+        `prompt` (views of the entry), and its length n (0 and [] where none is long enough)."""
         with self._lock:
             best, best_len = None, 0
             for key in self.entries:
@@ -58,21 +66,23 @@ class PrefixCache:
                     best, best_len = key, n
             if best is None or best_len < self.min_tokens:
                 self.misses += 1
-                return cache, 0
+                return [], 0
             self.entries.move_to_end(best)
             self.hits += 1
             kv = self.entries[best]
-        for layer, (k, v) in enumerate(kv):
-            cache.update(k[..., :best_len, :], v[..., :best_len, :], layer)
-        return cache, best_len
+        return [(k[..., :best_len, :], v[..., :best_len, :]) for k, v in kv], best_len
 
     def store(self, prompt: list[int], cache: DynamicCache) -> None:
         """Keep the KV of `prompt` (the first len(prompt) positions of `cache`)."""
+        self.put(prompt, [(layer.keys, layer.values) for layer in cache.layers])
+
+    def put(self, prompt: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep the KV of `prompt`: the first len(prompt) positions of each layer's (1, heads, >= n, dim) keys and values."""
         if self.max_bytes <= 0:
             return
         n = len(prompt)
         # Copies, so that the entry owns exactly what it counts (a view would pin the whole tensor).
-        kv = [(layer.keys[..., :n, :].clone(), layer.values[..., :n, :].clone()) for layer in cache.layers]
+        kv = [(k[..., :n, :].clone(), v[..., :n, :].clone()) for k, v in kv]
         size = self._size(kv)
         if size > self.max_bytes:
             return

@@ -80,7 +80,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def _app_command(app: str, model: str, port: int, budget: float, batch_size: int, dtype: str | None) -> list[str]:
+def _app_command(app: str, model: str, port: int, budget: float, batch_size: int, dtype: str | None,
+                 backend: str | None = None) -> list[str]:
+    """The app's command line; backend "int8" or "exact" adds the app's flag, others run its default."""
     cmd = [sys.executable, "-m", "specsuite.cli"]
     if app == "rag":
         from specsuite.apps.rag.cli import ensure_demo_index
@@ -89,7 +91,7 @@ def _app_command(app: str, model: str, port: int, budget: float, batch_size: int
     else:
         cmd += ["gec", "ui"]
     cmd += ["--model", model, "--port", str(port), "--time-budget", f"{budget:g}", "--batch-size", str(batch_size)]
-    return cmd + (["--dtype", dtype] if dtype else [])
+    return cmd + (["--dtype", dtype] if dtype else []) + ([f"--{backend}"] if backend in ("int8", "exact") else [])
 
 
 def _wait_listening(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 900.0) -> None:
@@ -152,7 +154,7 @@ def load_level(url: str, endpoint: str, app: str, calls: list[tuple[str, object]
 
 
 def run_serve_load(app: str, model: str, clients: list[int], requests: int, budget: float, batch_size: int = 8,
-                   mix: str = "mixed", dtype: str | None = None) -> dict:
+                   mix: str = "mixed", dtype: str | None = None, backend: str | None = None) -> dict:
     import socket
 
     with socket.socket() as s:
@@ -162,7 +164,7 @@ def run_serve_load(app: str, model: str, clients: list[int], requests: int, budg
     log = Path(tempfile.mkstemp(prefix=f"serve-load-{app}-", suffix=".log")[1])
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
     with open(log, "w") as out:
-        process = subprocess.Popen(_app_command(app, model, port, budget, batch_size, dtype), stdout=out,
+        process = subprocess.Popen(_app_command(app, model, port, budget, batch_size, dtype, backend), stdout=out,
                                    stderr=subprocess.STDOUT, env=env)
     try:
         started = time.monotonic()
@@ -176,7 +178,7 @@ def run_serve_load(app: str, model: str, clients: list[int], requests: int, budg
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
-    report = {"app": app, "model": model, "time_budget_s": budget, "batch_size": batch_size, "mix": mix,
+    report = {"app": app, "model": model, "backend_flag": backend if backend in ("int8", "exact") else None, "time_budget_s": budget, "batch_size": batch_size, "mix": mix,
               "inputs": sorted({kind for kind, _ in calls}), "startup_s": round(startup, 1),
               "cpu_threads": os.environ.get("OMP_NUM_THREADS"), "levels": levels, "app_log": str(log)}
     under = [lv["clients"] for lv in levels if lv["latency_s"]["p95"] < budget]
@@ -208,7 +210,7 @@ def cmd(args: argparse.Namespace) -> int:
         print("error: --clients takes counts >= 1 (e.g. 1,8,24), --requests >= 1, --time-budget > 0", file=sys.stderr)
         return 2
     report = run_serve_load(args.app, args.model, clients, args.requests, args.time_budget, args.serve_batch_size,
-                            args.mix, args.dtype)
+                            args.mix, args.dtype, args.backend)
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

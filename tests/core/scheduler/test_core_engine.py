@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from specsuite.core import Draft, EngineConfig, PromptLookupDrafter, Sampling, SamplingParams
+from specsuite.core import Draft, EngineConfig, PrefixCache, PromptLookupDrafter, Sampling, SamplingParams
 from specsuite.core.speculation.draft_budget import DraftBudget, StepCost
 from specsuite.core.scheduler.engine import BatchEngine, Request, engine_supports, generate_many
 from conftest import REPO, OracleTreeDrafter, hf_greedy, model_for, prompts
@@ -104,6 +104,23 @@ def test_shared_prefix_is_computed_once_and_reused():
     assert [o.tokens for o in outs] == truths
     assert [o.stats.cached_prompt_tokens for o in outs] == [40] * 6 + [0]
 
+
+
+def test_prompts_reuse_the_kv_of_earlier_prompts_in_a_prefix_cache():
+    """With a `PrefixCache`, a prompt starts from the longest prefix an earlier prompt left there
+    (RAG: the same passages, another question; or the same question again) and decodes as without."""
+    model = model_for("qwen2", max_positions=512)
+    passages = prompts(1, seed=21, lengths=(60, 60))[0]
+    questions = prompts(3, seed=22, lengths=(9, 15))
+    ps = [passages + q for q in questions] + [passages + questions[0]]  # the last one asked again
+    truths = [hf_greedy(model, p, 10) for p in ps]
+    cache = PrefixCache(model.config)
+    engine = BatchEngine(model, EngineConfig(2, prefix_cache=cache), eos_token_id=[], cost=FLAT)
+    first = generate_many_with(engine, [Request(ps[0], PromptLookupDrafter(), SamplingParams(max_new_tokens=10))])
+    rest = generate_many_with(engine, [Request(p, PromptLookupDrafter(), SamplingParams(max_new_tokens=10)) for p in ps[1:]])
+    assert [o.tokens for o in first + rest] == truths
+    assert first[0].stats.cached_prompt_tokens == 0
+    assert [o.stats.cached_prompt_tokens for o in rest] == [60, 60, len(ps[3]) - cache.fresh_tokens]
 
 def test_kv_budget_makes_requests_wait_not_fail():
     model = model_for("llama")
