@@ -38,11 +38,12 @@ def _load_qa(args: argparse.Namespace, index_dir: str | Path):
 
 
 def backend_kind(args: argparse.Namespace) -> str:
-    """The `choose_backend` kind the model options ask for: --int8, --exact, else "auto" (RAG's long
-    prompts prefill faster in bf16 than in int8, docs/exactness.md)."""
+    """The `choose_backend` kind the model options ask for: --int8, --exact, else "fast" (int8 where
+    it runs fast: its prefix cache is lossless, so callers asking about the same passages skip
+    their prefill; docs/exactness.md)."""
     from specsuite.core.model.backend import requested_kind
 
-    return requested_kind(getattr(args, "int8", False), getattr(args, "exact", False), "auto")
+    return requested_kind(getattr(args, "int8", False), getattr(args, "exact", False), "fast")
 
 
 def _print_answer(answer) -> None:
@@ -149,10 +150,10 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    "the passages have nothing to copy, e.g. qwen2.5-0.5b for --model qwen2.5-1.5b")
     p.add_argument("--max-new-tokens", type=retrieval_cli._positive_int, default=256, metavar="N")
     p.add_argument("--int8", action="store_true", help="every linear layer in int8 (weights per channel, activations "
-                   "per row), refused where this CPU's int8 kernel cannot sum exactly: faster steps, slower prefill of "
-                   "long prompts (answers are int8 greedy decoding's, docs/exactness.md)")
+                   "per row), refused where this CPU's int8 kernel cannot sum exactly; the default already runs it "
+                   "where it is fast (answers are int8 greedy decoding's, docs/exactness.md)")
     p.add_argument("--exact", action="store_true", help="the exact forms of the model's own numerics, whatever "
-                   "they cost here (the default, auto, takes them where affordable)")
+                   "they cost here: answers token for token its greedy decoding")
     p.add_argument("--max-question-tokens", type=limits.token_limit_arg, metavar="N",
                    help=f"longest question accepted (default {limits.MAX_QUESTION_TOKENS:,}: a question is not a "
                    "book; less where the model's context less --max-new-tokens is smaller)")

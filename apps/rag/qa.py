@@ -201,9 +201,10 @@ class RagQA:
     max_question_tokens: the longest question accepted (default: `limits.MAX_QUESTION_TOKENS`, or
         less where the model's context with the answer budget `max_new_tokens` holds less). Every entry point checks its input first (`validate`):
         a bad question or k is an InputError before any model work.
-    backend: a `choose_backend` kind: "auto" (default: RAG's ~1,000-token prompts prefill faster in
-        bf16 than in int8, docs/exactness.md), "fast", "exact", "plain", or "int8" (every linear layer
-        in int8: answers are int8 greedy decoding's, not the model's own).
+    backend: a `choose_backend` kind: "fast" (default: int8 where this CPU runs it fast, else "auto";
+        int8's prefix cache is lossless, so questions over the same passages skip their prefill),
+        "auto" (the model's own numerics), "exact", "plain", or "int8" (answers are int8 greedy
+        decoding's, not the model's own).
     adapter: "auto" (the RAG adapter shipped for this preset, if any), "none" (the base model),
         or a folder written by `specsuite train rag`; merged into the weights at load.
     """
@@ -211,7 +212,7 @@ class RagQA:
     def __init__(self, index_dir: str | None = None, model: str = DEFAULT_MODEL, drafter: str = "reference",
                  prefix_cache_bytes: int | None = None, max_new_tokens: int = 256, dtype: str | None = None,
                  max_question_tokens: int | None = None, batch_size: int = 1, draft_model: str | None = None,
-                 backend: str = "auto", adapter: str | None = "auto") -> None:
+                 backend: str = "fast", adapter: str | None = "auto") -> None:
         index = None
         if index_dir is not None:
             from specsuite.retrieval import PassageIndex

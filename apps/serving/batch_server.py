@@ -161,11 +161,13 @@ class BatchServer:
             request_id = engine.add_request(request)
             self._running[request_id] = _Running(deadline, plan.steps, engine.forward_passes)
             self._futures[request_id] = future
-            admitted += len(request.prompt)
+            admitted += plan.prompt_rows
 
     def _plan(self, request: Request) -> _Plan:
+        cache = self.engine.config.prefix_cache  # a prompt whose prefix is cached prefills only the rest
+        cached = cache.cached_length(request.prompt) if cache is not None else 0
         return _Plan(self.cost, request, self.steps, self.rows, list(self._running.values()),
-                     self.engine.forward_passes)
+                     self.engine.forward_passes, len(request.prompt) - cached)
 
     def _learn(self, generation: Generation) -> None:
         """The steps a request takes and the rows a sequence adds to a step, from one that finished."""
@@ -206,7 +208,8 @@ class BatchServer:
 @dataclass
 class _Plan:
     """What admitting `request` now would do, by the step cost curve `cost` (None: not measured,
-    then every request is admitted): its prefill delays every running request by cost(its prompt);
+    then every request is admitted): its prefill delays every running request by cost(its prompt
+    rows: those past a cached prefix);
     then every step costs cost(rows), each sequence adding `rows` rows, until each has taken its
     expected steps (`steps`, at most the request's answer budget). Conservative: the batch is
     priced as if nobody left it early."""
@@ -217,6 +220,7 @@ class _Plan:
     rows: float
     running: list[_Running]
     now_step: int
+    prompt_rows: int  # the prompt's rows its prefill computes (those past a cached prefix)
 
     @property
     def steps(self) -> float:
@@ -229,13 +233,13 @@ class _Plan:
         """Seconds the request takes with the batch to itself (None: no cost curve)."""
         if self.cost is None:
             return None
-        return self.cost(len(self.request.prompt)) + self.steps * self._step_s(1)
+        return self.cost(self.prompt_rows) + self.steps * self._step_s(1)
 
     def keeps_everyone_in_time(self, deadline: Deadline) -> bool:
         """Whether the request and every running one are expected to end within their budgets."""
         if self.cost is None:
             return True
-        prefill, step = self.cost(len(self.request.prompt)), self._step_s(len(self.running) + 1)
+        prefill, step = self.cost(self.prompt_rows), self._step_s(len(self.running) + 1)
         ends = [(deadline, prefill + self.steps * step)]
         ends += [(r.deadline, prefill + max(1.0, r.steps - (self.now_step - r.joined)) * step) for r in self.running]
         return all(d.remaining() is None or end <= d.remaining() for d, end in ends)

@@ -55,6 +55,13 @@ class PrefixCache:
             cache.update(k, v, layer)
         return cache, n
 
+    def cached_length(self, prompt: list[int]) -> int:
+        """How many of `prompt`'s tokens `longest` would give now (no hit or miss counted)."""
+        with self._lock:
+            n = max((min(_common_prefix(list(key), prompt), len(prompt) - self.fresh_tokens) for key in self.entries),
+                    default=0)
+        return n if n >= self.min_tokens else 0
+
     def longest(self, prompt: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         """The keys and values, per layer (1, heads, n, dim), of the longest cached prefix of
         `prompt` (views of the entry), and its length n (0 and [] where none is long enough)."""

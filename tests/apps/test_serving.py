@@ -157,6 +157,27 @@ def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2)
     assert server.steps < PRIOR_STEPS  # learned from the finished ones: 11 forwards each
 
 
+
+def test_admission_prices_only_the_prompt_rows_past_a_cached_prefix(smollm2):
+    """A prompt whose prefix the engine's prefix cache holds prefills only the rest: admission
+    prices that (a RAG caller asking about passages another caller's prompt left there), and
+    the answer is the same as the first one's."""
+    from specsuite.apps.serving.batch_server import BatchServer
+    from specsuite.core import PrefixCache
+    from specsuite.core.speculation.draft_budget import StepCost
+    from specsuite.core.scheduler.engine import BatchEngine, Request
+
+    cache = PrefixCache(smollm2[0].config)
+    engine = BatchEngine(smollm2[0], EngineConfig(batch_size=2, prefix_cache=cache), cost=StepCost({1: 0.01, 64: 0.64}))
+    server = BatchServer(engine)
+    prompt = _prompt(smollm2[1], 60)
+    request = lambda: Request(prompt, params=SamplingParams(max_new_tokens=5))  # noqa: E731
+    assert server._plan(request()).prompt_rows == 60
+    first = server.run(request(), Deadline(None))
+    assert server._plan(request()).prompt_rows == cache.fresh_tokens  # the rest is cached
+    again = server.run(request(), Deadline(None))
+    assert again.tokens == first.tokens and again.stats.cached_prompt_tokens == 60 - cache.fresh_tokens
+
 # ---- the running apps --------------------------------------------------------------------------
 
 def _launch(app) -> str:
