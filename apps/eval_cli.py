@@ -31,7 +31,7 @@ def _eval_rag(args: argparse.Namespace) -> int:
 
     items = load_specbench_rag(args.data)[: args.n]
     qa = RagQA(model=args.model, drafter=args.drafter, max_new_tokens=args.max_new_tokens, draft_model=args.draft_model,
-               backend=rag_cli.backend_kind(args), adapter=args.adapter)
+               backend=rag_cli.backend_kind(args), adapter=args.adapter, dtype=args.dtype)
     bar = tqdm(total=len(items), unit="item", dynamic_ncols=True)
     result = evaluate_rag(qa, items, progress=lambda r: bar.update(1))
     bar.close()

@@ -34,7 +34,7 @@ def _load_qa(args: argparse.Namespace, index_dir: str | Path):
                  prefix_cache_bytes=0 if getattr(args, "no_prefix_cache", False) else None,
                  max_new_tokens=args.max_new_tokens, max_question_tokens=args.max_question_tokens,
                  batch_size=getattr(args, "serve_batch_size", 1), draft_model=args.draft_model,
-                 backend=backend_kind(args), adapter=args.adapter)
+                 backend=backend_kind(args), adapter=args.adapter, dtype=args.dtype)
 
 
 def backend_kind(args: argparse.Namespace) -> str:
@@ -142,6 +142,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset or local model folder (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
     p.add_argument("--adapter", default="auto", help="auto: the RAG adapter shipped for the preset, if any (default); "
                    "none: the base model; or a folder written by `specsuite train rag`")
     p.add_argument("--drafter", choices=DRAFTERS, default="reference",

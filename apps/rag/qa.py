@@ -194,8 +194,9 @@ class RagQA:
     drafter: "reference" (copy from the passages), "prompt-lookup" or "none" (plain decoding).
     prefix_cache_bytes: budget of the prompt KV cache shared across calls (0 turns it off); a
         follow-up question over the same passages then only computes the question's tokens.
-        Default (None): 1 GiB in fp32, off in other dtypes, where the cached prompt's rows can round
-        otherwise than a whole prefill and flip a later token (see the README's *Exactness*).
+        Default (None): 1 GiB where the backend keeps a prefix cache lossless (int8, fp32), else
+        off: there the cached prompt's rows can round otherwise than a whole prefill and flip a
+        later token (see the README's *Exactness*). The batched engine shares it.
     draft_model: a small model with the same tokenizer (a preset name, e.g. "qwen2.5-0.5b" for the
         1.5B target) that drafts where the passages have nothing to copy (`FallbackDrafter`).
     max_question_tokens: the longest question accepted (default: `limits.MAX_QUESTION_TOKENS`, or
