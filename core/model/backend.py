@@ -113,8 +113,10 @@ class Backend:
 
     def owned(self) -> Backend:
         """This backend with a `store` of its own (`packed`: the weights in the form its kernels
-        run on), made as its forwards need them."""
-        return replace(self, packed=self.store()) if self.linear is not None or self.engine_linear is not None else self
+        run on), made as its forwards need them; itself where it has one."""
+        if self.packed is not None or (self.linear is None and self.engine_linear is None):
+            return self
+        return replace(self, packed=self.store())
 
     @property
     def policy(self) -> DraftPolicy:
@@ -245,7 +247,8 @@ def _choose(model, kind: str) -> Backend:
         if not int8_fits(model):
             raise ValueError("the int8 backend needs a Llama-family model (Llama, Qwen2) in bf16 or fp32 on a CPU "
                              "whose oneDNN int8 kernel sums exactly")
-        return replace(INT8, draft_cost=int8_step_cost(model))
+        backend = INT8.owned()  # measured on its own packed weights: quantized once
+        return replace(backend, draft_cost=int8_step_cost(model, backend))
     if kind == "plain" or not cpu or not llama.supports(model) or model.dtype not in (torch.bfloat16, torch.float32):
         return plain_backend(model.dtype)
     if model.dtype == torch.float32:
@@ -303,11 +306,11 @@ def fp32_forms(model) -> tuple[str, ...]:
     return tuple(min(FP32_FORMS, key=lambda form: costs[form][rows]) for rows in FP32_ROW_BUCKETS)
 
 
-def int8_step_cost(model) -> StepCost:
+def int8_step_cost(model, backend: Backend = INT8) -> StepCost:
     """The cost of an int8 verify forward by row count (measured once per machine and model, kept
     on disk): drafts are capped on it (`GoodputCap`), since without AMX the int8 kernels' cost
     grows with the rows (docs/exactness.md, int8 on AVX2)."""
-    return StepCost(_measured(model, "int8", [INT8], list(FP32_ROW_BUCKETS))[INT8.name])
+    return StepCost(_measured(model, "int8", [backend], list(FP32_ROW_BUCKETS))[backend.name])
 
 
 def fp32_step_cost(model) -> StepCost:
