@@ -273,7 +273,7 @@ def test_cli_ask(smollm2, demo_index, tmp_path, monkeypatch, capsys):
     demo_index.save(tmp_path / "idx")
     model, tok = smollm2
 
-    def loaded_rag_qa(index_dir: str, model: str, adapter: str, **options) -> RagQA:  # the fixture, not a fresh load
+    def loaded_rag_qa(index_dir: str, model: str, adapter: str, dtype: str | None, **options) -> RagQA:  # the fixture, not a fresh load
         assert adapter == "auto"
         return RagQA.from_loaded(smollm2[0], tok, PassageIndex.load(index_dir), **options)
 
@@ -293,7 +293,7 @@ def test_cli_ask_int8_answers_on_the_int8_backend(smollm2, demo_index, tmp_path,
     demo_index.save(tmp_path / "idx")
     made = []
 
-    def loaded_rag_qa(index_dir: str, model: str, adapter: str, **options) -> RagQA:  # the fixture, not a fresh load
+    def loaded_rag_qa(index_dir: str, model: str, adapter: str, dtype: str | None, **options) -> RagQA:  # the fixture, not a fresh load
         assert adapter == "auto"
         made.append(RagQA.from_loaded(smollm2[0], smollm2[1], PassageIndex.load(index_dir), **options))
         return made[-1]
@@ -351,7 +351,7 @@ def test_cli_answer_a_file_of_questions_resumably(smollm2, demo_index, tmp_path,
 
     demo_index.save(tmp_path / "idx")
 
-    def loaded_rag_qa(index_dir: str, model: str, adapter: str, **options) -> RagQA:  # the fixture, not a fresh load
+    def loaded_rag_qa(index_dir: str, model: str, adapter: str, dtype: str | None, **options) -> RagQA:  # the fixture, not a fresh load
         assert adapter == "auto"
         return RagQA.from_loaded(smollm2[0], smollm2[1], PassageIndex.load(index_dir), **options)
 
