@@ -266,7 +266,8 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
 
 
 def default_dtype() -> torch.dtype:
-    """bf16 where the hardware computes it natively (avx512_bf16/AMX or a bf16 GPU), else fp32."""
+    """bf16 where the hardware computes it natively (avx512_bf16/AMX or a bf16 GPU) and ATen runs its
+    AVX-512 kernels (`ATEN_CPU_CAPABILITY=avx2` holds it to an AVX2-only CPU's), else fp32."""
     import torch
 
     if torch.cuda.is_available():
@@ -275,7 +276,8 @@ def default_dtype() -> torch.dtype:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return torch.float32
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+    native = ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return torch.bfloat16 if native else torch.float32
 
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32", "fp16": "float16",
