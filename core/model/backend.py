@@ -306,7 +306,7 @@ def fp32_forms(model) -> tuple[str, ...]:
     return tuple(min(FP32_FORMS, key=lambda form: costs[form][rows]) for rows in FP32_ROW_BUCKETS)
 
 
-def int8_step_cost(model, backend: Backend = INT8) -> StepCost:
+def int8_step_cost(model, backend: Backend) -> StepCost:
     """The cost of an int8 verify forward by row count (measured once per machine and model, kept
     on disk): drafts are capped on it (`GoodputCap`), since without AMX the int8 kernels' cost
     grows with the rows (docs/exactness.md, int8 on AVX2)."""

@@ -55,23 +55,27 @@ class PrefixCache:
             cache.update(k, v, layer)
         return cache, n
 
+    def _best(self, prompt: list[int]) -> tuple[tuple[int, ...] | None, int]:
+        """The entry sharing the longest usable prefix with `prompt`, and that length (None, 0 where
+        none reaches `min_tokens`). The caller holds the lock."""
+        best, best_len = None, 0
+        for key in self.entries:
+            n = min(_common_prefix(list(key), prompt), len(prompt) - self.fresh_tokens)
+            if n > best_len:
+                best, best_len = key, n
+        return (best, best_len) if best is not None and best_len >= self.min_tokens else (None, 0)
+
     def cached_length(self, prompt: list[int]) -> int:
         """How many of `prompt`'s tokens `longest` would give now (no hit or miss counted)."""
         with self._lock:
-            n = max((min(_common_prefix(list(key), prompt), len(prompt) - self.fresh_tokens) for key in self.entries),
-                    default=0)
-        return n if n >= self.min_tokens else 0
+            return self._best(prompt)[1]
 
     def longest(self, prompt: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         """The keys and values, per layer (1, heads, n, dim), of the longest cached prefix of
         `prompt` (views of the entry), and its length n (0 and [] where none is long enough)."""
         with self._lock:
-            best, best_len = None, 0
-            for key in self.entries:
-                n = min(_common_prefix(list(key), prompt), len(prompt) - self.fresh_tokens)
-                if n > best_len:
-                    best, best_len = key, n
-            if best is None or best_len < self.min_tokens:
+            best, best_len = self._best(prompt)
+            if best is None:
                 self.misses += 1
                 return [], 0
             self.entries.move_to_end(best)
