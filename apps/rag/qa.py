@@ -260,6 +260,7 @@ class RagQA:
         self.prefix_cache = PrefixCache(model.config, max_bytes=prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.eos = sorted(eos_token_ids(model, tokenizer))
         self._lock = threading.Lock()  # one generation at a time: the model and cache are shared
+        self._retrieve_lock = threading.Lock()
 
     # -- the steps --------------------------------------------------------------------------------
 
@@ -275,7 +276,10 @@ class RagQA:
     def retrieve(self, question: str, k: int = 5) -> list[tuple["Passage", float]]:
         if self.index is None:
             raise ValueError("this RagQA has no passage index; pass passages to answer() instead")
-        return self.index.search(question, k)
+        # One search at a time: concurrent callers' searches would each run the embedding model's
+        # and faiss's threads on the same cores as the batch's forward, many times oversubscribed.
+        with self._retrieve_lock:
+            return self.index.search(question, k)
 
     def make_drafter(self, passages: Sequence[str]) -> Drafter:
         if self.drafter == "reference":

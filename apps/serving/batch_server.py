@@ -7,11 +7,15 @@ next step past its deadline (its `on_step` checks it). Each step admits prompts 
 `max_prompt_tokens` tokens in all (at least one request), so that a burst of long prefills does not
 stall every other caller's decode step.
 
-Admission by deadline: the head of the queue joins the batch only while everyone is expected to
+Admission by deadline: a queued request joins the batch only while everyone is expected to
 finish in time (`_Plan`), by the engine's measured step cost: its prefill delays every running
 request, and each step costs more with one more sequence. If it would make someone late it waits
 for a step; if it cannot finish in time even alone, it leaves the queue at once with the
-time-budget error and never takes a slot. Under a burst of callers (48 at once with a 30 s budget)
+time-budget error and never takes a slot. The queued requests are tried cheapest prefill first:
+fewest prompt rows past the prefix cache (as SGLang's longest-prefix-match policy) per caller
+queued with the same prompt. Callers whose prompt another caller's prefill left in the cache (the
+same question over the same passages) join at once instead of waiting behind a prompt that cannot
+fit yet, and of two uncached prompts the one that answers more callers goes first. Under a burst of callers (48 at once with a 30 s budget)
 the batch then finishes the requests it took, instead of taking as many as fit in the slots and
 having most of them time out together. How many steps a request takes is learned from the ones
 that finished here (PRIOR_STEPS until then).
@@ -20,6 +24,7 @@ that finished here (PRIOR_STEPS until then).
 from __future__ import annotations
 
 import queue
+from collections import Counter
 import sys
 import threading
 import time
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 
 from specsuite.apps.limits import Deadline, TimeBudgetExceeded, step_cost
 from specsuite.core.scheduler.engine import BatchEngine, Request
+from specsuite.core.scheduler.prefix_cache import common_prefix
 from specsuite.core.scheduler.sequence import Generation
 
 MAX_PROMPT_TOKENS_PER_STEP = 1024
@@ -101,7 +107,7 @@ class BatchServer:
         self.cost = engine.budget.cost if engine.budget is not None else step_cost(engine.model, engine.store.backend)
         self.steps, self.rows = float(PRIOR_STEPS), 1.0  # per request; per sequence and step
         self._queue: queue.Queue[tuple[Request, Future, Deadline]] = queue.Queue()
-        self._held: tuple[Request, Future, Deadline] | None = None  # the queue's head, until it keeps everyone in time
+        self._pending: list[tuple[Request, Future, Deadline]] = []  # taken from the queue, in arrival order, not yet admitted
         self._futures: dict[int, Future] = {}  # by engine request id (the engine thread's alone)
         self._running: dict[int, _Running] = {}  # by engine request id (the engine thread's alone)
         self._thread: threading.Thread | None = None
@@ -127,47 +133,90 @@ class BatchServer:
                 self._thread.start()
 
     def _admit(self) -> None:
-        """Move queued requests into the engine while it has free slots: at most
-        `max_prompt_tokens` of prompt a step (at least one request), each only once it keeps
-        everyone in time (until then it waits a step: sequences finish, the batch gets cheaper).
-        Blocks while nothing is decoding, freeing the KV cache after IDLE_SHRINK_S of that."""
-        engine, admitted = self.engine, 0
-        while admitted < self.max_prompt_tokens and engine.in_flight + len(engine.waiting) < engine.batch_size:
-            if self._held is None:
-                idle = not engine.has_unfinished_requests()
-                try:  # block only while nothing is decoding
-                    self._held = self._queue.get(block=idle, timeout=IDLE_SHRINK_S if idle else None)
-                except queue.Empty:
-                    if not idle:
-                        return
-                    engine.store.shrink()  # nothing asked for a while: give the KV cache's memory back
+        """Move queued requests into the engine while it has free slots, the cheapest prefill
+        first (`_prompt_rows`: a caller whose prompt another's left in the prefix cache costs a
+        few rows), at most `max_prompt_tokens` of prompt a step (at least one request), each only
+        once it keeps everyone in time (until then it waits a step: sequences finish, the batch
+        gets cheaper). Blocks while nothing is decoding or pending, freeing the KV cache after
+        IDLE_SHRINK_S of that."""
+        engine = self.engine
+        while True:
+            self._collect()
+            admitted, prefilling = 0, []  # the prompts this step prefills
+            for item in self._admission_order():
+                if engine.in_flight + len(engine.waiting) >= engine.batch_size:
+                    break
+                request, future, deadline = item
+                if self._shares_a_prefill(request, prefilling):
+                    continue  # next step that prefix is cached: it prefills the rest only
+                if future.cancelled() or deadline.expired():
+                    self._pending.remove(item)
+                    _fail(future, deadline.queued())
                     continue
-            request, future, deadline = self._held
-            if future.cancelled() or deadline.expired():
-                self._held = None
-                _fail(future, deadline.queued())
-                continue
-            plan = self._plan(request)
-            alone = plan.finish_alone()
-            if alone is not None and deadline.remaining() is not None and alone > deadline.remaining():
-                self._held = None  # it could only time out, after taking others' time
-                _fail(future, deadline.queued(alone))
-                continue
-            if not plan.keeps_everyone_in_time(deadline):
+                plan = self._plan(request)
+                if admitted and admitted + plan.prompt_rows > self.max_prompt_tokens:
+                    continue  # over this step's prompt rows: a step of two long prefills costs more than two steps
+                alone = plan.finish_alone()
+                if alone is not None and deadline.remaining() is not None and alone > deadline.remaining():
+                    self._pending.remove(item)  # it could only time out, after taking others' time
+                    _fail(future, deadline.queued(alone))
+                    continue
+                if not plan.keeps_everyone_in_time(deadline):
+                    continue  # a cheaper prompt behind it may fit now; it waits for a step
+                self._pending.remove(item)
+                if not future.set_running_or_notify_cancel():
+                    continue  # its caller gave up while it was queued
+                request_id = engine.add_request(request)
+                self._running[request_id] = _Running(deadline, plan.steps, engine.forward_passes)
+                self._futures[request_id] = future
+                admitted += plan.prompt_rows
+                prefilling.append(request.prompt)
+            if engine.has_unfinished_requests():
                 return
-            self._held = None
-            if not future.set_running_or_notify_cancel():
-                continue  # its caller gave up while it was queued
-            request_id = engine.add_request(request)
-            self._running[request_id] = _Running(deadline, plan.steps, engine.forward_passes)
-            self._futures[request_id] = future
-            admitted += plan.prompt_rows
+
+    def _collect(self) -> None:
+        """Move queued requests to `_pending`; while nothing is decoding or pending, wait for one
+        (giving the KV cache's memory back after IDLE_SHRINK_S of nothing)."""
+        while True:
+            try:
+                while True:
+                    self._pending.append(self._queue.get_nowait())
+            except queue.Empty:
+                pass
+            if self._pending or self.engine.has_unfinished_requests():
+                return
+            try:
+                self._pending.append(self._queue.get(timeout=IDLE_SHRINK_S))
+            except queue.Empty:
+                self.engine.store.shrink()
+
+    def _admission_order(self) -> list[tuple[Request, Future, Deadline]]:
+        """The pending requests by the prompt rows their prefill computes per caller it answers
+        (callers queued with the same prompt take it from the prefix cache a step later), in
+        arrival order among equals."""
+        if self.engine.config.prefix_cache is None:
+            return list(self._pending)
+        callers = Counter(tuple(request.prompt) for request, _, _ in self._pending)
+        return sorted(self._pending, key=lambda item: self._prompt_rows(item[0]) / callers[tuple(item[0].prompt)])
+
+    def _prompt_rows(self, request: Request) -> int:
+        """The rows `request`'s prefill computes: its prompt past what the prefix cache holds."""
+        cache = self.engine.config.prefix_cache
+        return len(request.prompt) - (cache.cached_length(request.prompt) if cache is not None else 0)
+
+    def _shares_a_prefill(self, request: Request, prefilling: list[list[int]]) -> bool:
+        """Whether at least half of the rows `request`'s prefill would compute are the prefix of a
+        prompt prefilled this step (the same question and passages as another caller's): admitted
+        a step later, it finds them in the prefix cache instead of computing them twice."""
+        if self.engine.config.prefix_cache is None:
+            return False
+        rows = self._prompt_rows(request)
+        cached = len(request.prompt) - rows
+        return any(2 * (common_prefix(request.prompt, p) - cached) >= rows for p in prefilling)
 
     def _plan(self, request: Request) -> _Plan:
-        cache = self.engine.config.prefix_cache  # a prompt whose prefix is cached prefills only the rest
-        cached = cache.cached_length(request.prompt) if cache is not None else 0
         return _Plan(self.cost, request, self.steps, self.rows, list(self._running.values()),
-                     self.engine.forward_passes, len(request.prompt) - cached)
+                     self.engine.forward_passes, self._prompt_rows(request))
 
     def _learn(self, generation: Generation) -> None:
         """The steps a request takes and the rows a sequence adds to a step, from one that finished."""
@@ -200,7 +249,7 @@ class BatchServer:
                 waiting, self._futures, self._running = list(self._futures.values()), {}, {}
             for future in waiting:
                 future.set_exception(failure)
-            if self._held is not None or not self._queue.empty():
+            if self._pending or not self._queue.empty():
                 self._start()
             raise
 

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -60,7 +60,7 @@ class PrefixCache:
         none reaches `min_tokens`). The caller holds the lock."""
         best, best_len = None, 0
         for key in self.entries:
-            n = min(_common_prefix(list(key), prompt), len(prompt) - self.fresh_tokens)
+            n = min(common_prefix(list(key), prompt), len(prompt) - self.fresh_tokens)
             if n > best_len:
                 best, best_len = key, n
         return (best, best_len) if best is not None and best_len >= self.min_tokens else (None, 0)

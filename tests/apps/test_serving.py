@@ -105,8 +105,9 @@ def test_a_running_request_stops_at_its_next_step(smollm2, engine):
 
 
 def test_each_step_admits_at_most_the_prompt_token_cap(smollm2):
-    """Three 600-token prompts arriving together: two join the first step (1,200 >= 1,024, then
-    no more), the third the next one, so the others' decode steps are not stalled by all of them."""
+    """Two 600-token prompts and a 300-token one arriving together, a cap of 1,024 prompt rows a
+    step: the first and the short one join the first step (900), the second long one the next
+    step (1,500 would pass the cap), so the others' decode steps are not stalled by all of them."""
     from specsuite.apps.serving.batch_server import BatchServer
     from specsuite.core.scheduler.engine import BatchEngine, Request
 
@@ -116,12 +117,13 @@ def test_each_step_admits_at_most_the_prompt_token_cap(smollm2):
     queued = threading.Event()
     # A running request keeps the engine stepping (its first step waits until all three are queued).
     holder = server.submit(Request(_prompt(smollm2[1], 10), params=SamplingParams(max_new_tokens=3), on_step=lambda *a: queued.wait(30)))
-    futures = [server.submit(Request(_prompt(smollm2[1], 600), params=SamplingParams(max_new_tokens=2), on_step=s)) for s in steps]
+    futures = [server.submit(Request(_prompt(smollm2[1], n), params=SamplingParams(max_new_tokens=2), on_step=s))
+               for n, s in zip((600, 600, 300), steps)]
     queued.set()
     for f in [holder, *futures]:
         f.result(timeout=120)
     first = [s.at[0] for s in steps]
-    assert first[0] == first[1] and first[2] == first[0] + 1, first
+    assert first[0] == first[2] and first[1] == first[0] + 1, first
 
 
 def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2):
@@ -177,6 +179,35 @@ def test_admission_prices_only_the_prompt_rows_past_a_cached_prefix(smollm2):
     assert server._plan(request()).prompt_rows == cache.fresh_tokens  # the rest is cached
     again = server.run(request(), Deadline(None))
     assert again.tokens == first.tokens and again.stats.cached_prompt_tokens == 60 - cache.fresh_tokens
+
+def test_a_cached_prompt_joins_before_an_uncached_one_that_cannot_fit_yet(smollm2):
+    """Cheapest prefill first: with a running request whose budget a 600-row prefill would break
+    (0.01 s a row on the given cost curve: 6 s against its 4 s), the long prompt waits; a caller
+    whose prompt is in the prefix cache, queued after it, joins the batch at once instead of
+    waiting behind it."""
+    from specsuite.apps.serving.batch_server import BatchServer
+    from specsuite.core import PrefixCache
+    from specsuite.core.speculation.draft_budget import StepCost
+    from specsuite.core.scheduler.engine import BatchEngine, Request
+
+    tok = smollm2[1]
+    engine = BatchEngine(smollm2[0], EngineConfig(batch_size=4, prefix_cache=PrefixCache(smollm2[0].config)),
+                         cost=StepCost({1: 0.01, 64: 0.64}))
+    server = BatchServer(engine)
+    cached = _prompt(tok, 60)
+    first = server.run(Request(cached, params=SamplingParams(max_new_tokens=5)), Deadline(None))
+    queued = threading.Event()
+    holder = server.submit(Request(_prompt(tok, 10), params=SamplingParams(max_new_tokens=8),
+                                   on_step=lambda *a: queued.wait(30)), Deadline(4))
+    long_steps, cached_steps = Steps(engine), Steps(engine)
+    long = server.submit(Request(_prompt(tok, 600), params=SamplingParams(max_new_tokens=2), on_step=long_steps))
+    again = server.submit(Request(cached, params=SamplingParams(max_new_tokens=5), on_step=cached_steps))
+    queued.set()
+    for future in (holder, long, again):
+        future.result(timeout=120)
+    assert cached_steps.at[0] < long_steps.at[0], (cached_steps.at, long_steps.at)
+    assert again.result().tokens == first.tokens
+
 
 # ---- the running apps --------------------------------------------------------------------------
 
