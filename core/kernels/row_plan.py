@@ -23,7 +23,9 @@ class RowPlan:
     """block, total: the forward's rows as above. linear: (layer, x, block, packed) -> y, the linear
     layers' form (None: plain F.linear). packed: the backend's `PackedWeights` (None: packed per
     call). attention: draft rows as one-row attention calls (False: one sdpa call for all rows).
-    memo: what every layer of the forward would otherwise work out again."""
+    memo: what every layer of the forward would otherwise work out again. mlp_rows: the MLP runs
+    in blocks of this many rows (None: all at once); only for a `linear` that computes every row
+    as alone, whatever the call (int8's), since a block's rows are not the forward's last rows."""
 
     block: int
     total: int
@@ -31,6 +33,7 @@ class RowPlan:
     attention: bool = True
     packed: PackedWeights | None = None
     memo: dict = field(default_factory=dict)
+    mlp_rows: int | None = None
 
     def project(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """layer(x) for x (1, rows, in), the forward's last `rows` rows (all of them, except for the

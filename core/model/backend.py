@@ -91,7 +91,8 @@ class Backend:
     steps too (else one sdpa call). screen: greedy forwards take their logits from this bf16
     screen of the model's output layer (logit_screen.py; None: from the layer). engine_linear: the
     form of every row of the batched engine's forwards (`packed_rows`: on the packed weights);
-    None: all rows as one block in `linear`'s form (a prefill's). packed: the weights packed for
+    None: all rows as one block in `linear`'s form (a prefill's). mlp_rows: a long forward's MLP
+    runs in blocks of this many rows (`RowPlan.mlp_rows`; only where rows compute alike in any call). packed: the weights packed for
     oneDNN that `linear` runs on, this backend's own (`owned`; None in the kinds below, which
     are templates: their calls would pack the weights every time).
     """
@@ -108,6 +109,7 @@ class Backend:
     exact_attention: bool = True
     screen: LogitScreen | None = field(default=None, compare=False, repr=False)
     engine_linear: Callable | None = None
+    mlp_rows: int | None = None
     packed: PackedWeights | None = field(default=None, compare=False, repr=False)
     store: Callable = field(default=PackedWeights, compare=False, repr=False)
 
@@ -133,12 +135,12 @@ class Backend:
     def plan(self, block: int, total: int) -> RowPlan | None:
         """How one forward of `total` rows, whose first `block` run as a prefill does, computes
         them (None: as the model's own forward does)."""
-        return RowPlan(block, total, self.linear, self.exact_attention, self.packed) if self.exact_rows else None
+        return RowPlan(block, total, self.linear, self.exact_attention, self.packed, mlp_rows=self.mlp_rows) if self.exact_rows else None
 
     def engine_plan(self, rows: int) -> RowPlan | None:
         """How one forward of the batched engine computes its `rows` rows (`engine_linear`)."""
         if self.engine_linear is not None:
-            return RowPlan(0, rows, self.engine_linear, False, self.packed)
+            return RowPlan(0, rows, self.engine_linear, False, self.packed, mlp_rows=self.mlp_rows)
         return self.plan(rows, rows)
 
     def forward(self, model, fresh: list[int], cache: DynamicCache, past: int, draft: Draft | None,
@@ -199,8 +201,11 @@ FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, dr
 # attention stays in the model's dtype, draft rows as one-row calls (exact_attention.py). A prefix
 # cache is lossless: the linear rows do not depend on the call, and the attention of a block after
 # cached keys rounds as the whole prompt's prefill (exact_attention.py's `_prefill_block`).
+# Its rows compute alike in any call, so a long prefill's MLP runs in blocks of INT8_MLP_ROWS rows,
+# whose intermediates stay in the CPU's caches (docs/exactness.md, int8: MLP blocks).
+INT8_MLP_ROWS = 256
 INT8 = Backend("int8", int8_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(PLAIN_ROWS - 1,),
-               lossless_prefix_cache=True, engine_linear=int8_rows, store=Int8Weights)
+               lossless_prefix_cache=True, engine_linear=int8_rows, mlp_rows=INT8_MLP_ROWS, store=Int8Weights)
 PLAIN = Backend("plain", None, exact_rows=False, tie_margin=0.0)
 PLAIN_TIE_MARGIN = {torch.float32: 1e-3}
 # plain-packed: where the exact forms cost too much (e.g. without AMX), plain calls still repack the

@@ -80,9 +80,18 @@ def _layers(model, ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend
         v = _project(plan, attn.v_proj, h).view(shape).transpose(1, 2)
         q, k = rotary(q, k, cos, sin)
         x = x + _project(plan, attn.o_proj, attend(i, attn, q, k, v))
-        h, mlp = layer.post_attention_layernorm(x), layer.mlp  # the MLP as the modeling code computes it
-        x = x + _project(plan, mlp.down_proj, mlp.act_fn(_project(plan, mlp.gate_proj, h)) * _project(plan, mlp.up_proj, h))
+        x = x + _mlp(plan, layer.mlp, layer.post_attention_layernorm(x))
     return x
+
+
+def _mlp(plan: RowPlan | None, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The MLP as the modeling code computes it; in blocks of `plan.mlp_rows` rows where the plan
+    has them (a long prefill's intermediates then stay in the CPU's caches)."""
+    step = plan.mlp_rows if plan is not None and plan.mlp_rows else h.shape[1]
+    blocks = [h] if h.shape[1] <= step else [h[:, s: s + step] for s in range(0, h.shape[1], step)]
+    out = [_project(plan, mlp.down_proj, mlp.act_fn(_project(plan, mlp.gate_proj, b)) * _project(plan, mlp.up_proj, b))
+           for b in blocks]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
 
 def causal_mask(past: int, rows: int) -> torch.Tensor | None:

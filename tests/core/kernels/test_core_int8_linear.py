@@ -116,6 +116,32 @@ def test_int8_with_a_prefix_cache_decodes_as_without(dtype):
         assert cached.tokens == plain.tokens, i
         assert (cached.stats.cached_prompt_tokens > 0) == (i > 0)
 
+@needs_int8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_mlp_in_row_blocks_computes_as_in_one(dtype):
+    """A long prefill's MLP runs in blocks of `mlp_rows` rows (its intermediates then stay in the
+    CPU's caches): int8's rows compute alike in any call, so the logits are bit for bit those of
+    the MLP in one block."""
+    from dataclasses import replace
+
+    from transformers import DynamicCache
+
+    from specsuite.core.model.forward import cache_forward
+
+    model = tiny_model("qwen2", max_positions=512).to(dtype)
+    ids = torch.tensor([prompts(1, seed=8, lengths=(120, 120))[0]])
+    n = ids.shape[1]
+    base = choose_backend(model, "int8")
+    assert base.mlp_rows and base.mlp_rows < 1024  # the backend runs long prefills in blocks
+
+    def logits(mlp_rows):
+        plan = replace(base, mlp_rows=mlp_rows).owned().plan(n, n)
+        with torch.inference_mode():
+            return cache_forward(model, ids, DynamicCache(config=model.config), torch.arange(n)[None], None, n, plan=plan)
+
+    assert torch.equal(logits(16), logits(None)) and torch.equal(logits(50), logits(None))
+
+
 def test_int8_is_refused_where_it_cannot_run_as_stated():
     model = tiny_model("llama", attn="eager")  # not a forward of core/model/forward.py
     with pytest.raises(ValueError, match="int8 backend needs"):
