@@ -18,7 +18,8 @@ same question over the same passages) join at once instead of waiting behind a p
 fit yet, and of two uncached prompts the one that answers more callers goes first. Under a burst of callers (48 at once with a 30 s budget)
 the batch then finishes the requests it took, instead of taking as many as fit in the slots and
 having most of them time out together. How many steps a request takes is learned from the ones
-that finished here (PRIOR_STEPS until then).
+that finished here (PRIOR_STEPS until then), and how much slower than the curve a step runs here
+from every step (`slowdown`: drafts' rows, a busy machine).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ MAX_PROMPT_TOKENS_PER_STEP = 1024
 # ones (exponentially weighted, LEARN_RATE), as is the rows a sequence adds to a step.
 PRIOR_STEPS = 24
 LEARN_RATE = 0.2
+# Bounds of the learned slowdown (`BatchServer.slowdown`): never below the curve (measured on a
+# quiet machine: a step can run slower, not faster), and one odd step cannot swing admission far.
+MIN_SLOWDOWN, MAX_SLOWDOWN = 1.0, 20.0
 # Seconds with nothing to decode after which the engine's KV cache is freed (a server's cache grows
 # with its busiest moment; bursts closer together keep it).
 IDLE_SHRINK_S = 30.0
@@ -106,6 +110,9 @@ class BatchServer:
         # seconds of an engine step by its rows: the engine's own curve, else the measured one
         self.cost = engine.budget.cost if engine.budget is not None else step_cost(engine.model, engine.store.backend)
         self.steps, self.rows = float(PRIOR_STEPS), 1.0  # per request; per sequence and step
+        # measured step seconds / the curve's for the same step, learned from every step: the curve
+        # was measured on a quiet machine with no drafts priced in, a busy one runs slower
+        self.slowdown = 1.0
         self._queue: queue.Queue[tuple[Request, Future, Deadline]] = queue.Queue()
         self._pending: list[tuple[Request, Future, Deadline]] = []  # taken from the queue, in arrival order, not yet admitted
         self._futures: dict[int, Future] = {}  # by engine request id (the engine thread's alone)
@@ -132,13 +139,13 @@ class BatchServer:
                 self._thread = threading.Thread(target=self._serve, name="specsuite-batch", daemon=True)
                 self._thread.start()
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
         """Move queued requests into the engine while it has free slots, the cheapest prefill
         first (`_prompt_rows`: a caller whose prompt another's left in the prefix cache costs a
         few rows), at most `max_prompt_tokens` of prompt a step (at least one request), each only
         once it keeps everyone in time (until then it waits a step: sequences finish, the batch
         gets cheaper). Blocks while nothing is decoding or pending, freeing the KV cache after
-        IDLE_SHRINK_S of that."""
+        IDLE_SHRINK_S of that. Returns the prompt rows admitted."""
         engine = self.engine
         while True:
             self._collect()
@@ -172,7 +179,7 @@ class BatchServer:
                 admitted += plan.prompt_rows
                 prefilling.append(request.prompt)
             if engine.has_unfinished_requests():
-                return
+                return admitted
 
     def _collect(self) -> None:
         """Move queued requests to `_pending`; while nothing is decoding or pending, wait for one
@@ -214,8 +221,23 @@ class BatchServer:
         cached = len(request.prompt) - rows
         return any(2 * (common_prefix(request.prompt, p) - cached) >= rows for p in prefilling)
 
+    def _cost(self, rows: int) -> float:
+        """Seconds of a step of `rows` rows: the curve's, times the slowdown measured here."""
+        return self.slowdown * self.cost(rows)
+
+    def _learn_speed(self, seconds: float, prompt_rows: int, decoding: int) -> None:
+        """The slowdown, from one step that took `seconds`: it prefilled `prompt_rows` rows and
+        stepped `decoding` sequences already in the batch (priced as `_Plan` prices them)."""
+        if self.cost is None or not (prompt_rows or decoding):
+            return
+        expected = (self.cost(prompt_rows) if prompt_rows else 0.0) + (
+            self.cost(max(1, round(decoding * self.rows))) if decoding else 0.0)
+        if expected > 0:
+            ratio = min(max(seconds / expected, MIN_SLOWDOWN), MAX_SLOWDOWN)
+            self.slowdown += LEARN_RATE * (ratio - self.slowdown)
+
     def _plan(self, request: Request) -> _Plan:
-        return _Plan(self.cost, request, self.steps, self.rows, list(self._running.values()),
+        return _Plan(None if self.cost is None else self._cost, request, self.steps, self.rows, list(self._running.values()),
                      self.engine.forward_passes, self._prompt_rows(request))
 
     def _learn(self, generation: Generation) -> None:
@@ -230,8 +252,12 @@ class BatchServer:
         try:
             self.engine.reset()  # a failed batch's sequences are gone
             while True:
-                self._admit()
-                for request_id, result in self.engine.step():
+                decoding = self.engine.in_flight
+                prompt_rows = self._admit()
+                start = time.perf_counter()
+                ended = self.engine.step()
+                self._learn_speed(time.perf_counter() - start, prompt_rows, decoding)
+                for request_id, result in ended:
                     future = self._futures.pop(request_id)
                     self._running.pop(request_id, None)
                     if isinstance(result, Exception):

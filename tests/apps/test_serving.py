@@ -209,6 +209,30 @@ def test_a_cached_prompt_joins_before_an_uncached_one_that_cannot_fit_yet(smollm
     assert again.result().tokens == first.tokens
 
 
+def test_admission_learns_how_much_slower_than_the_curve_steps_run_here(smollm2):
+    """A cost curve far cheaper than this machine (1e-5 s a row: a curve measured while quiet, a
+    step that drafts more rows than priced): after a few requests the server has measured its
+    steps slower, and a request whose budget the curve alone would call ample but the measured
+    steps cannot meet is refused at once, without a slot."""
+    from specsuite.apps.serving.batch_server import MAX_SLOWDOWN, BatchServer
+    from specsuite.core.speculation.draft_budget import StepCost
+    from specsuite.core.scheduler.engine import BatchEngine, Request
+
+    tok = smollm2[1]
+    engine = BatchEngine(smollm2[0], EngineConfig(batch_size=2), cost=StepCost({1: 1e-5, 64: 64e-5}))
+    server = BatchServer(engine)
+    for _ in range(3):
+        server.run(Request(_prompt(tok, 20), params=SamplingParams(max_new_tokens=8)), Deadline(60))
+    assert server.slowdown == pytest.approx(MAX_SLOWDOWN, rel=0.5)  # a step here takes ~1e-3 s or more, not 1e-5
+    request = Request(_prompt(tok, 400), params=SamplingParams(max_new_tokens=8), on_step=Steps(engine))
+    curve_alone = engine.budget.cost(400) + server.steps * engine.budget.cost(1)  # ~4 ms
+    budget = server.slowdown * curve_alone / 2  # ample by the curve, short of the measured steps
+    assert curve_alone < budget / 5
+    with pytest.raises(TimeBudgetExceeded, match="less than this request needs"):
+        server.run(request, Deadline(budget))
+    assert request.on_step.at == []
+
+
 # ---- the running apps --------------------------------------------------------------------------
 
 def _launch(app) -> str:
