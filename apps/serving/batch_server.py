@@ -19,7 +19,7 @@ fit yet, and of two uncached prompts the one that answers more callers goes firs
 the batch then finishes the requests it took, instead of taking as many as fit in the slots and
 having most of them time out together. How many steps a request takes is learned from the ones
 that finished here (PRIOR_STEPS until then), and how much slower than the curve a step runs here
-from every step (`slowdown`: drafts' rows, a busy machine).
+from every step (`step_slowdown`, `prefill_slowdown`: drafts' rows, a busy machine).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ MAX_PROMPT_TOKENS_PER_STEP = 1024
 # ones (exponentially weighted, LEARN_RATE), as is the rows a sequence adds to a step.
 PRIOR_STEPS = 24
 LEARN_RATE = 0.2
-# Bounds of the learned slowdown (`BatchServer.slowdown`): never below the curve (measured on a
-# quiet machine: a step can run slower, not faster), and one odd step cannot swing admission far.
+# Bounds of the learned slowdowns (`BatchServer.step_slowdown`, `prefill_slowdown`): never below
+# the curve (measured on a quiet machine: a step can run slower, not faster), and one odd step
+# cannot swing admission far.
 MIN_SLOWDOWN, MAX_SLOWDOWN = 1.0, 20.0
 # Seconds with nothing to decode after which the engine's KV cache is freed (a server's cache grows
 # with its busiest moment; bursts closer together keep it).
@@ -110,9 +111,9 @@ class BatchServer:
         # seconds of an engine step by its rows: the engine's own curve, else the measured one
         self.cost = engine.budget.cost if engine.budget is not None else step_cost(engine.model, engine.store.backend)
         self.steps, self.rows = float(PRIOR_STEPS), 1.0  # per request; per sequence and step
-        # measured step seconds / the curve's for the same step, learned from every step: the curve
-        # was measured on a quiet machine with no drafts priced in, a busy one runs slower
-        self.slowdown = 1.0
+        # measured seconds / the curve's, of decode steps and of prefills, learned from every step:
+        # the curve was measured on a quiet machine, with no drafts priced in, on few rows
+        self.step_slowdown = self.prefill_slowdown = 1.0
         self._queue: queue.Queue[tuple[Request, Future, Deadline]] = queue.Queue()
         self._pending: list[tuple[Request, Future, Deadline]] = []  # taken from the queue, in arrival order, not yet admitted
         self._futures: dict[int, Future] = {}  # by engine request id (the engine thread's alone)
@@ -221,24 +222,25 @@ class BatchServer:
         cached = len(request.prompt) - rows
         return any(2 * (common_prefix(request.prompt, p) - cached) >= rows for p in prefilling)
 
-    def _cost(self, rows: int) -> float:
-        """Seconds of a step of `rows` rows: the curve's, times the slowdown measured here."""
-        return self.slowdown * self.cost(rows)
-
     def _learn_speed(self, seconds: float, prompt_rows: int, decoding: int) -> None:
-        """The slowdown, from one step that took `seconds`: it prefilled `prompt_rows` rows and
-        stepped `decoding` sequences already in the batch (priced as `_Plan` prices them)."""
+        """The slowdowns, from one step that took `seconds`: it prefilled `prompt_rows` rows and
+        stepped `decoding` sequences already in the batch (priced as `_Plan` prices them). A step
+        whose prefill the curve prices above its decoding teaches the prefill's slowdown (the
+        decoding's share at its own), any other the decode steps'."""
         if self.cost is None or not (prompt_rows or decoding):
             return
-        expected = (self.cost(prompt_rows) if prompt_rows else 0.0) + (
-            self.cost(max(1, round(decoding * self.rows))) if decoding else 0.0)
-        if expected > 0:
-            ratio = min(max(seconds / expected, MIN_SLOWDOWN), MAX_SLOWDOWN)
-            self.slowdown += LEARN_RATE * (ratio - self.slowdown)
+        prefill = self.cost(prompt_rows) if prompt_rows else 0.0
+        step = self.cost(max(1, round(decoding * self.rows))) if decoding else 0.0
+        if prefill > step:
+            ratio = (seconds - self.step_slowdown * step) / prefill
+            self.prefill_slowdown += LEARN_RATE * (min(max(ratio, MIN_SLOWDOWN), MAX_SLOWDOWN) - self.prefill_slowdown)
+        else:
+            ratio = seconds / (prefill + step)
+            self.step_slowdown += LEARN_RATE * (min(max(ratio, MIN_SLOWDOWN), MAX_SLOWDOWN) - self.step_slowdown)
 
     def _plan(self, request: Request) -> _Plan:
-        return _Plan(None if self.cost is None else self._cost, request, self.steps, self.rows, list(self._running.values()),
-                     self.engine.forward_passes, self._prompt_rows(request))
+        return _Plan(self.cost, request, self.steps, self.rows, list(self._running.values()),
+                     self.engine.forward_passes, self._prompt_rows(request), self.step_slowdown, self.prefill_slowdown)
 
     def _learn(self, generation: Generation) -> None:
         """The steps a request takes and the rows a sequence adds to a step, from one that finished."""
@@ -283,11 +285,11 @@ class BatchServer:
 @dataclass
 class _Plan:
     """What admitting `request` now would do, by the step cost curve `cost` (None: not measured,
-    then every request is admitted): its prefill delays every running request by cost(its prompt
-    rows: those past a cached prefix);
-    then every step costs cost(rows), each sequence adding `rows` rows, until each has taken its
-    expected steps (`steps`, at most the request's answer budget). Conservative: the batch is
-    priced as if nobody left it early."""
+    then every request is admitted) times the slowdowns measured here: its prefill delays every
+    running request by cost(its prompt rows: those past a cached prefix) x `prefill_slowdown`;
+    then every step costs cost(rows) x `step_slowdown`, each sequence adding `rows` rows, until
+    each has taken its expected steps (`steps`, at most the request's answer budget).
+    Conservative: the batch is priced as if nobody left it early."""
 
     cost: Callable[[int], float] | None
     request: Request
@@ -296,25 +298,30 @@ class _Plan:
     running: list[_Running]
     now_step: int
     prompt_rows: int  # the prompt's rows its prefill computes (those past a cached prefix)
+    step_slowdown: float = 1.0
+    prefill_slowdown: float = 1.0
 
     @property
     def steps(self) -> float:
         return min(self.steps_each, self.request.params.max_new_tokens)
 
     def _step_s(self, sequences: int) -> float:
-        return self.cost(max(1, round(sequences * self.rows)))
+        return self.step_slowdown * self.cost(max(1, round(sequences * self.rows)))
+
+    def _prefill_s(self) -> float:
+        return self.prefill_slowdown * self.cost(self.prompt_rows)
 
     def finish_alone(self) -> float | None:
         """Seconds the request takes with the batch to itself (None: no cost curve)."""
         if self.cost is None:
             return None
-        return self.cost(self.prompt_rows) + self.steps * self._step_s(1)
+        return self._prefill_s() + self.steps * self._step_s(1)
 
     def keeps_everyone_in_time(self, deadline: Deadline) -> bool:
         """Whether the request and every running one are expected to end within their budgets."""
         if self.cost is None:
             return True
-        prefill, step = self.cost(self.prompt_rows), self._step_s(len(self.running) + 1)
+        prefill, step = self._prefill_s(), self._step_s(len(self.running) + 1)
         ends = [(deadline, prefill + self.steps * step)]
         ends += [(r.deadline, prefill + max(1.0, r.steps - (self.now_step - r.joined)) * step) for r in self.running]
         return all(d.remaining() is None or end <= d.remaining() for d, end in ends)
