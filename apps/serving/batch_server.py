@@ -15,9 +15,9 @@ time-budget error and never takes a slot. The queued requests are tried cheapest
 fewest prompt rows past the prefix cache (as SGLang's longest-prefix-match policy) per caller
 queued with the same prompt. Callers whose prompt another caller's prefill left in the cache (the
 same question over the same passages) join at once instead of waiting behind a prompt that cannot
-fit yet, and of two uncached prompts the one that answers more callers goes first. Under a burst of callers (48 at once with a 30 s budget)
-the batch then finishes the requests it took, instead of taking as many as fit in the slots and
-having most of them time out together. How many steps a request takes is learned from the ones
+fit yet, and of two uncached prompts the one that answers more callers goes first. Under a burst
+of callers (48 at once with a 30 s budget) the batch then finishes the requests it took, instead
+of taking as many as fit in the slots and having most of them time out together. How many steps a request takes is learned from the ones
 that finished here (PRIOR_STEPS until then), and how much slower than the curve a step runs here
 from every step (`step_slowdown`, `prefill_slowdown`: drafts' rows, a busy machine).
 """
@@ -25,10 +25,10 @@ from every step (`step_slowdown`, `prefill_slowdown`: drafts' rows, a busy machi
 from __future__ import annotations
 
 import queue
-from collections import Counter
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -88,6 +88,11 @@ class _Running:
     deadline: Deadline
     steps: float
     joined: int
+
+
+def _toward(slowdown: float, ratio: float) -> float:
+    """A learned slowdown moved toward one step's measured ratio, bounded (MIN/MAX_SLOWDOWN)."""
+    return slowdown + LEARN_RATE * (min(max(ratio, MIN_SLOWDOWN), MAX_SLOWDOWN) - slowdown)
 
 
 class EngineFailure(RuntimeError):
@@ -151,17 +156,17 @@ class BatchServer:
         while True:
             self._collect()
             admitted, prefilling = 0, []  # the prompts this step prefills
-            for item in self._admission_order():
+            for item, rows in self._admission_order():
                 if engine.in_flight + len(engine.waiting) >= engine.batch_size:
                     break
                 request, future, deadline = item
-                if self._shares_a_prefill(request, prefilling):
+                if self._shares_a_prefill(request, rows, prefilling):
                     continue  # next step that prefix is cached: it prefills the rest only
                 if future.cancelled() or deadline.expired():
                     self._pending.remove(item)
                     _fail(future, deadline.queued())
                     continue
-                plan = self._plan(request)
+                plan = self._plan(request, rows)
                 if admitted and admitted + plan.prompt_rows > self.max_prompt_tokens:
                     continue  # over this step's prompt rows: a step of two long prefills costs more than two steps
                 alone = plan.finish_alone()
@@ -198,27 +203,28 @@ class BatchServer:
             except queue.Empty:
                 self.engine.store.shrink()
 
-    def _admission_order(self) -> list[tuple[Request, Future, Deadline]]:
-        """The pending requests by the prompt rows their prefill computes per caller it answers
-        (callers queued with the same prompt take it from the prefix cache a step later), in
-        arrival order among equals."""
+    def _admission_order(self) -> list[tuple[tuple[Request, Future, Deadline], int]]:
+        """The pending requests, each with the rows its prefill computes (`_prompt_rows`, worked
+        out once a step), by those rows per caller it answers (callers queued with the same prompt
+        take it from the prefix cache a step later), in arrival order among equals."""
+        order = [(item, self._prompt_rows(item[0])) for item in self._pending]
         if self.engine.config.prefix_cache is None:
-            return list(self._pending)
+            return order
         callers = Counter(tuple(request.prompt) for request, _, _ in self._pending)
-        return sorted(self._pending, key=lambda item: self._prompt_rows(item[0]) / callers[tuple(item[0].prompt)])
+        return sorted(order, key=lambda entry: entry[1] / callers[tuple(entry[0][0].prompt)])
 
     def _prompt_rows(self, request: Request) -> int:
         """The rows `request`'s prefill computes: its prompt past what the prefix cache holds."""
         cache = self.engine.config.prefix_cache
         return len(request.prompt) - (cache.cached_length(request.prompt) if cache is not None else 0)
 
-    def _shares_a_prefill(self, request: Request, prefilling: list[list[int]]) -> bool:
-        """Whether at least half of the rows `request`'s prefill would compute are the prefix of a
-        prompt prefilled this step (the same question and passages as another caller's): admitted
-        a step later, it finds them in the prefix cache instead of computing them twice."""
+    def _shares_a_prefill(self, request: Request, rows: int, prefilling: list[list[int]]) -> bool:
+        """Whether at least half of the `rows` rows `request`'s prefill would compute are the
+        prefix of a prompt prefilled this step (the same question and passages as another
+        caller's): admitted a step later, it finds them in the prefix cache instead of computing
+        them twice."""
         if self.engine.config.prefix_cache is None:
             return False
-        rows = self._prompt_rows(request)
         cached = len(request.prompt) - rows
         return any(2 * (common_prefix(request.prompt, p) - cached) >= rows for p in prefilling)
 
@@ -232,15 +238,15 @@ class BatchServer:
         prefill = self.cost(prompt_rows) if prompt_rows else 0.0
         step = self.cost(max(1, round(decoding * self.rows))) if decoding else 0.0
         if prefill > step:
-            ratio = (seconds - self.step_slowdown * step) / prefill
-            self.prefill_slowdown += LEARN_RATE * (min(max(ratio, MIN_SLOWDOWN), MAX_SLOWDOWN) - self.prefill_slowdown)
+            self.prefill_slowdown = _toward(self.prefill_slowdown, (seconds - self.step_slowdown * step) / prefill)
         else:
-            ratio = seconds / (prefill + step)
-            self.step_slowdown += LEARN_RATE * (min(max(ratio, MIN_SLOWDOWN), MAX_SLOWDOWN) - self.step_slowdown)
+            self.step_slowdown = _toward(self.step_slowdown, seconds / (prefill + step))
 
-    def _plan(self, request: Request) -> _Plan:
+    def _plan(self, request: Request, prompt_rows: int | None = None) -> _Plan:
+        """What admitting `request` now would do; prompt_rows: its `_prompt_rows`, where known."""
+        rows = self._prompt_rows(request) if prompt_rows is None else prompt_rows
         return _Plan(self.cost, request, self.steps, self.rows, list(self._running.values()),
-                     self.engine.forward_passes, self._prompt_rows(request), self.step_slowdown, self.prefill_slowdown)
+                     self.engine.forward_passes, rows, self.step_slowdown, self.prefill_slowdown)
 
     def _learn(self, generation: Generation) -> None:
         """The steps a request takes and the rows a sequence adds to a step, from one that finished."""

@@ -92,9 +92,10 @@ class Backend:
     screen of the model's output layer (logit_screen.py; None: from the layer). engine_linear: the
     form of every row of the batched engine's forwards (`packed_rows`: on the packed weights);
     None: all rows as one block in `linear`'s form (a prefill's). mlp_rows: a long forward's MLP
-    runs in blocks of this many rows (`RowPlan.mlp_rows`; only where rows compute alike in any call). packed: the weights packed for
-    oneDNN that `linear` runs on, this backend's own (`owned`; None in the kinds below, which
-    are templates: their calls would pack the weights every time).
+    runs in blocks of this many rows (`RowPlan.mlp_rows`; only where rows compute alike in any
+    call). packed: the weights packed for oneDNN that `linear` runs on, this backend's own
+    (`owned`; None in the kinds below, which are templates: their calls would pack the weights
+    every time).
     """
 
     name: str
@@ -135,7 +136,9 @@ class Backend:
     def plan(self, block: int, total: int) -> RowPlan | None:
         """How one forward of `total` rows, whose first `block` run as a prefill does, computes
         them (None: as the model's own forward does)."""
-        return RowPlan(block, total, self.linear, self.exact_attention, self.packed, mlp_rows=self.mlp_rows) if self.exact_rows else None
+        if not self.exact_rows:
+            return None
+        return RowPlan(block, total, self.linear, self.exact_attention, self.packed, mlp_rows=self.mlp_rows)
 
     def engine_plan(self, rows: int) -> RowPlan | None:
         """How one forward of the batched engine computes its `rows` rows (`engine_linear`)."""
