@@ -283,10 +283,11 @@ def _zero_padded(rows: torch.Tensor, width: int) -> torch.Tensor:
     """rows (m, in) -> (width, in): rows, then zeros. A buffer kept per thread and shape, of
     which only the rows an earlier call wrote are zeroed again: a fresh zero-padded copy per call
     pays page faults on a new tensor (docs/architecture-core.md, Measurements: padded calls'
-    buffer)."""
+    buffer). Kept apart inside and outside inference mode: a buffer made inside is an inference
+    tensor, which may not be written outside it."""
     m = rows.shape[0]
     buffers = _pads.__dict__.setdefault("buffers", {})
-    key = (width, rows.shape[1], rows.dtype, rows.device)
+    key = (width, rows.shape[1], rows.dtype, rows.device, torch.is_inference_mode_enabled())
     buffer, used = buffers.get(key) or (rows.new_zeros(width, rows.shape[1]), 0)
     if used > m:
         buffer[m:used].zero_()

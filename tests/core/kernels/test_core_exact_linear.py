@@ -153,6 +153,22 @@ def test_fp32_rows_are_the_linear_layer_in_padded_column_calls():
             torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
+def test_padded_calls_run_inside_and_outside_inference_mode_in_either_order():
+    """The padding buffer kept per thread: one made under inference mode (a generate call) is an
+    inference tensor, so a later call outside it (a backend's check at load) needs its own (the
+    CI failure of 2026-12-06: "Inplace update to inference tensor outside InferenceMode")."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 96, generator=gen)
+    for first_inside in (True, False):
+        exact_linear._pads.__dict__.pop("buffers", None)
+        for inside in (first_inside, not first_inside, first_inside):
+            for m in (3, 2):  # 3 rows then 2: the buffer's third row is zeroed again in place
+                x = torch.randn(m, 96, generator=gen)
+                with torch.inference_mode(inside):
+                    out = exact_linear.fp32_rows(x, weight, None)
+                torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
 def test_fp32_forwards_take_the_fast_kernels_and_plain_calls_stay_plain():
     """In fp32 forwards' plans: 2-4 rows as `fp32_rows`, other counts (a one-token step, a
     prefill, long drafts) on oneDNN with packed weights, all `F.linear`'s values up to rounding.
