@@ -289,7 +289,7 @@ def train(config: TrainConfig, examples: Sequence, log: Callable[[str], None] = 
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         state["tokens"] += sum(len(e.ids) for e in batch)
-        state["losses"].append(round(float(loss), 4))
+        state["losses"].append(round(loss.detach().item(), 4))
         state["elapsed_s"] = run_start_elapsed + time.monotonic() - run_start
         recent = state["losses"][-20:]
         left_s = min(budget_s - state["elapsed_s"], (total_steps - state["step"]) * state["elapsed_s"] / state["step"])
