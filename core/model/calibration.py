@@ -35,12 +35,11 @@ def median_seconds(prepare: Callable[[str, int], Callable[[], object]], names: l
     return medians(timed_seconds(prepare, names, rows, reps))
 
 
-# Repeat timings of one forward whose median is more than SPREAD times their fastest (most of them
-# slowed: one late repeat of three happens on quiet machines too: docs/architecture-core.md,
-# Measurements: quiet repeats), or a
-# kept curve that a fresh check finds off by more than DRIFT, say the machine was busy (or has
-# changed): such a curve is timed again, at most TRIES times, and kept on disk only once it is
-# consistent.
+# Repeat timings of one forward whose upper median is more than SPREAD times their fastest (most
+# of them slowed: one late repeat of three happens on quiet machines too, docs/architecture-core.md,
+# Measurements: quiet repeats; of two repeats, the slower), or a kept curve that a fresh check
+# finds off by more than DRIFT, say the machine was busy (or has changed): such a curve is timed
+# again, at most TRIES times, and kept on disk only once it is consistent.
 SPREAD = 1.5
 DRIFT = 1.3
 TRIES = 3
@@ -54,9 +53,9 @@ def timing_problem(times: dict[str, dict[int, list[float]]]) -> str | None:
     disagree, or a curve that cannot be right (`curve_problem`)."""
     for name, per_rows in times.items():
         for k, secs in per_rows.items():
-            if len(secs) > 1 and statistics.median(secs) > SPREAD * min(secs):
+            if len(secs) > 1 and (most := statistics.median_high(secs)) > SPREAD * min(secs):
                 return (f"{name}: repeat timings of {k} rows from {min(secs) * 1e3:.1f} to {max(secs) * 1e3:.1f} ms, "
-                        f"median {statistics.median(secs) * 1e3:.1f}")
+                        f"upper median {most * 1e3:.1f}")
         if (why := curve_problem({k: statistics.median(v) for k, v in per_rows.items()})) is not None:
             return f"{name}: {why}"
     return None

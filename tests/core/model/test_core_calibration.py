@@ -119,6 +119,7 @@ def test_a_kept_curve_that_cannot_be_right_is_not_read():
         assert StepCost.load(path, [1, 2, 4, 32]) is not None
     assert "under 1 rows'" in timing_problem({"plain": {1: [1.0, 1.1], 2: [1.1, 1.0], 4: [0.7, 0.7]}})
     assert "over 4x 1 rows'" in timing_problem({"plain": {1: [0.1], 4: [0.9]}})
+    assert "repeat timings of 2 rows" in timing_problem({"plain": {1: [0.1, 0.1], 2: [0.1, 0.2]}})
     assert "repeat timings of 2 rows" in timing_problem({"plain": {1: [0.1, 0.1], 2: [0.1, 0.2, 0.17]}})
     # one late repeat of three, as a quiet machine gave the 0.5B's engine steps (54, 55, 86 ms): kept
     assert timing_problem({"engine": {1: [0.054, 0.086, 0.055], 16: [0.0644, 0.0998, 0.065]}}) is None
