@@ -11,7 +11,8 @@ most `max_new_tokens` new tokens, 2 threads, one engine at a time:
 - the peers of the anchors folder (`--anchors`, e.g. `../shared/anchors/`) where they are installed (its README sets them up): llama.cpp's
   `llama-server` (`llamacpp_npP`, with `_ngram-simple`: its n-gram speculation) with P parallel
   slots, and OpenVINO GenAI's continuous batching (`ov_...`, plain and with prompt lookup) with B
-  requests in flight. Each runs through the anchors' own script, as a subprocess, on the same ids.
+  requests in flight, on each IR set up (fp16 weights; int8 weights: `..._int8-ir`). Each runs
+  through the anchors' own script, as a subprocess, on the same ids.
 
 Prints one table per round: sentences/s, new tokens/s, how many outputs are the reference's tokens,
 and our best figure against each row of the same round (rounds alternate the engines, as this
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 ANCHORS_CACHE = Path.home() / ".cache" / "specsuite-anchors"
+OV_WEIGHTS = ("fp16", "int8")  # the IRs `setup_openvino.sh` exports (configs of the int8 one end in _int8-ir)
 
 
 def _our_runs(model_name: str, sentences: list[str], max_new_tokens: int, batch_sizes: list[int],
@@ -121,9 +123,12 @@ def run_peers(model_name: str, data: Path, n: int, anchors: Path, max_new_tokens
               "reference_backend": backend, "torch_threads": threads, "rounds": [], "missing": {}}
     models_dir = resolve_model_path(model_name)  # the tokenizer of the prompt ids
     gguf, server = ANCHORS_CACHE / f"{model_name}.gguf", ANCHORS_CACHE / "llama.cpp/build/bin/llama-server"
-    ov_python, ov_model = ANCHORS_CACHE / "ov-venv/bin/python", ANCHORS_CACHE / f"ov-{model_name}-fp16"
+    # OpenVINO's IRs with fp16 and int8 weights: either may be the faster (int8 on CPUs without bf16)
+    ov_python = ANCHORS_CACHE / "ov-venv/bin/python"
+    ov_models = {w: ANCHORS_CACHE / f"ov-{model_name}-{w}" for w in OV_WEIGHTS}
+    ov_models = {w: m for w, m in ov_models.items() if m.is_dir()}
     has_llama = server.is_file() and gguf.is_file() and (anchors / "llamacpp_anchor.py").is_file()
-    has_ov = ov_python.is_file() and ov_model.is_dir() and (anchors / "ov_anchor.py").is_file()
+    has_ov = ov_python.is_file() and bool(ov_models) and (anchors / "ov_anchor.py").is_file()
     if not has_llama:
         report["missing"]["llama-server"] = f"bash {anchors / 'setup_llama_server.sh'} (builds it, joins the 0.5B GGUF)"
     if not has_ov:
@@ -139,12 +144,13 @@ def run_peers(model_name: str, data: Path, n: int, anchors: Path, max_new_tokens
                                        *llama_args, *common], Path(tmp) / f"llamacpp{k}")
                     figures.update(got)
                     outputs.update(outs)
-                if has_ov:  # under its own venv
+                for weights, ov_model in ov_models.items() if has_ov else ():  # under its own venv
                     got, outs = _peer(str(ov_python), anchors / "ov_anchor.py",
                                       [str(data), str(len(sentences)), "--model", str(ov_model), *ov_args, *common],
-                                      Path(tmp) / f"ov{k}")
-                    figures.update(got)
-                    outputs.update(outs)
+                                      Path(tmp) / f"ov{k}-{weights}")
+                    name = lambda config: config if weights == "fp16" else f"{config}_{weights}-ir"  # noqa: E731
+                    figures.update({name(c): f for c, f in got.items()})
+                    outputs.update({name(c): o for c, o in outs.items()})
         report["rounds"].append(_compare(figures, outputs, eos))
     return report
 
