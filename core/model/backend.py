@@ -36,10 +36,12 @@ one costs over EXACT_OVERHEAD more than `plain`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from .calibration import calibrated, forward_times
@@ -50,7 +52,9 @@ from ..kernels.exact_linear import (FP32_FORMS, Fp32Forms, FP32_ROW_BUCKETS, PLA
                                     fp32_linear, packed_bf16_runs, packed_rows, short_call_rows)
 from ..kernels.int8_linear import Int8Weights, int8_kernel, int8_pays, int8_rows, int8_runs
 from ..kernels.logit_screen import LogitScreen
+from ..kernels.linear import FormLinear
 from ..kernels.row_plan import RowPlan
+from .decoder import Decoder, Linear
 from ..speculation.verify import tree_attention_mask
 
 # fp32 on the CPU a verify step costs more with every few rows, so drafts climb a ladder filling
@@ -132,6 +136,21 @@ class Backend:
         (for reports)."""
         kernel = int8_kernel() if self.name == "int8" else None
         return (kernel.label if kernel else self.name) + (" + logit screen" if self.screen is not None else "")
+
+    def module(self, layer: nn.Linear, engine: bool = False) -> nn.Module:
+        """HF's `layer` as this backend's decoder computes it: in the form of its one-sequence
+        forwards, or with `engine` of the batched engine's; plain where it has none (or off the CPU)."""
+        form = self.linear if self.exact_rows else None
+        if engine and self.engine_linear is not None:
+            form = self.engine_linear
+        if form is None or layer.weight.device.type != "cpu":
+            return Linear(layer.weight, layer.bias)
+        return FormLinear(layer.weight, layer.bias, form, self.packed)
+
+    def decoder(self, model, engine: bool = False) -> Decoder:
+        """The owned decoder of `model` whose linear layers are this backend's modules (`module`)."""
+        return Decoder.from_hf(model, functools.partial(self.module, engine=engine),
+                               self.mlp_rows if self.exact_rows else None)
 
     def plan(self, block: int, total: int) -> RowPlan | None:
         """How one forward of `total` rows, whose first `block` run as a prefill does, computes
