@@ -125,8 +125,7 @@ def run_peers(model_name: str, data: Path, n: int, anchors: Path, max_new_tokens
     gguf, server = ANCHORS_CACHE / f"{model_name}.gguf", ANCHORS_CACHE / "llama.cpp/build/bin/llama-server"
     # OpenVINO's IRs with fp16 and int8 weights: either may be the faster (int8 on CPUs without bf16)
     ov_python = ANCHORS_CACHE / "ov-venv/bin/python"
-    ov_models = {w: ANCHORS_CACHE / f"ov-{model_name}-{w}" for w in OV_WEIGHTS}
-    ov_models = {w: m for w, m in ov_models.items() if m.is_dir()}
+    ov_models = {w: m for w in OV_WEIGHTS if (m := ANCHORS_CACHE / f"ov-{model_name}-{w}").is_dir()}
     has_llama = server.is_file() and gguf.is_file() and (anchors / "llamacpp_anchor.py").is_file()
     has_ov = ov_python.is_file() and bool(ov_models) and (anchors / "ov_anchor.py").is_file()
     if not has_llama:
@@ -148,9 +147,9 @@ def run_peers(model_name: str, data: Path, n: int, anchors: Path, max_new_tokens
                     got, outs = _peer(str(ov_python), anchors / "ov_anchor.py",
                                       [str(data), str(len(sentences)), "--model", str(ov_model), *ov_args, *common],
                                       Path(tmp) / f"ov{k}-{weights}")
-                    name = lambda config: config if weights == "fp16" else f"{config}_{weights}-ir"  # noqa: E731
-                    figures.update({name(c): f for c, f in got.items()})
-                    outputs.update({name(c): o for c, o in outs.items()})
+                    suffix = "" if weights == "fp16" else f"_{weights}-ir"
+                    figures.update({c + suffix: f for c, f in got.items()})
+                    outputs.update({c + suffix: o for c, o in outs.items()})
         report["rounds"].append(_compare(figures, outputs, eos))
     return report
 
