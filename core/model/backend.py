@@ -23,6 +23,10 @@ whether a prefix cache is lossless.
   (int8_linear.py); integer sums make every row of any call round as a one-token step's, so
   output is identical to int8 greedy decoding, and the weights stream half the bytes of bf16.
   Chosen by "fast" (the apps' default) where it runs and is fast; "auto" keeps the model's own numerics.
+- `weight-int8`: every linear layer with int8 weights and bf16 activations (weight_int8.py); each
+  row computes alike in any call too, so output is identical to this backend's own greedy
+  decoding. Chosen by "fast" where `int8` is slow and this form is fast (AVX2-only CPUs), since a
+  decode step streams a quarter of fp32's bytes.
 
 Whatever the kind chosen for a bf16 model on the CPU, the batched engine computes every row of
 its forwards on packed weights where oneDNN runs on them (`engine_linear`): batched rows round as
@@ -50,6 +54,7 @@ from ..kernels.exact_linear import (FP32_FORMS, Fp32Forms, FP32_ROW_BUCKETS, PLA
                                     fp32_linear, packed_bf16_runs, packed_rows, short_call_rows)
 from ..kernels.int8_linear import Int8Weights, int8_kernel, int8_pays, int8_rows, int8_runs
 from ..kernels.logit_screen import LogitScreen
+from ..kernels.weight_int8 import WeightInt8Store, weight_int8_pays, weight_int8_rows, weight_int8_runs
 from ..kernels.row_plan import RowPlan
 from ..speculation.verify import tree_attention_mask
 
@@ -72,7 +77,7 @@ AFFORDABILITY_ROWS = (1, 9, 17)
 # older timings stale (docs/architecture-core.md, Measurements: cost file versions).
 EXACT_VS_PLAIN = "exact-vs-plain v4"
 
-KINDS = ("fast", "auto", "exact", "plain", "int8")
+KINDS = ("fast", "auto", "exact", "plain", "int8", "weight-int8")
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,11 @@ FP32_CPU = Backend("fp32-cpu", fp32_linear, exact_rows=True, tie_margin=1e-3, dr
 INT8_MLP_ROWS = 256
 INT8 = Backend("int8", int8_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(PLAIN_ROWS - 1,),
                lossless_prefix_cache=True, engine_linear=int8_rows, mlp_rows=INT8_MLP_ROWS, store=Int8Weights)
+# weight-int8: as int8 (rows alike in any call, attention draft rows as one-row calls, prefix cache
+# lossless, MLP in blocks), with int8 weights and bf16 activations (weight_int8.py). A row costs
+# more with every row of a call here, so drafts are capped on its measured costs (`GoodputCap`).
+WEIGHT_INT8 = replace(INT8, name="weight-int8", linear=weight_int8_rows, engine_linear=weight_int8_rows,
+                      store=WeightInt8Store)
 PLAIN = Backend("plain", None, exact_rows=False, tie_margin=0.0)
 PLAIN_TIE_MARGIN = {torch.float32: 1e-3}
 # plain-packed: where the exact forms cost too much (e.g. without AMX), plain calls still repack the
@@ -233,8 +243,9 @@ def plain_forms(dtype: torch.dtype) -> list[Backend]:
 
 def choose_backend(model, kind: str = "auto") -> Backend:
     """The backend for `model`: kind "exact" (the exact form for its dtype where one exists),
-    "plain", "auto" (exact where affordable, see the module docstring), "int8", or "fast" (int8
-    where it runs on this CPU and model and its kernel is fast here, `int8_pays`, else "auto"). Choose once per loaded
+    "plain", "auto" (exact where affordable, see the module docstring), "int8", "weight-int8", or
+    "fast" (int8 where it runs on this CPU and model and its kernel is fast here, `int8_pays`, else
+    weight-int8 where that is, `weight_int8_pays`, else "auto"). Choose once per loaded
     model and pass it on: the measurements it rests on are read from disk, but its packed weights
     and logit screen are made anew for each backend."""
     return _choose(model, kind).owned()
@@ -250,13 +261,14 @@ def _choose(model, kind: str) -> Backend:
         raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
     cpu = model.device.type == "cpu"
     if kind == "fast":
-        kind = "int8" if int8_pays() and int8_fits(model) else "auto"
-    if kind == "int8":
-        if not int8_fits(model):
-            raise ValueError("the int8 backend needs a Llama-family model (Llama, Qwen2) in bf16 or fp32 on a CPU "
-                             "whose oneDNN int8 kernel sums exactly")
-        backend = INT8.owned()  # measured on its own packed weights: quantized once
-        return replace(backend, draft_cost=int8_step_cost(model, backend))
+        kind = next((k for k, pays in (("int8", int8_pays), ("weight-int8", weight_int8_pays))
+                     if integer_fits(model, k) and pays()), "auto")
+    if kind in INTEGER_KINDS:
+        if not integer_fits(model, kind):
+            raise ValueError(f"the {kind} backend needs a Llama-family model (Llama, Qwen2) in bf16 or fp32 on a CPU "
+                             f"where its kernel {INTEGER_KINDS[kind][1]}")
+        backend = INTEGER_KINDS[kind][0].owned()  # measured on its own quantized weights: quantized once
+        return replace(backend, draft_cost=integer_step_cost(model, backend))
     if kind == "plain" or not cpu or not llama.supports(model) or model.dtype not in (torch.bfloat16, torch.float32):
         return plain_backend(model.dtype)
     if model.dtype == torch.float32:
@@ -269,11 +281,16 @@ def _choose(model, kind: str) -> Backend:
     return replace(backend, engine_linear=packed_rows) if packed_bf16_runs() else backend
 
 
-def int8_fits(model) -> bool:
-    """Whether the int8 backend runs `model`: forward.py's architectures in bf16 or fp32 on a CPU
-    whose int8 kernel sums exactly (`int8_runs`, checked once per process)."""
+# The integer kinds: their backend, and what their kernel must do on this CPU (checked once per process).
+INTEGER_KINDS = {"int8": (INT8, "sums exactly"), "weight-int8": (WEIGHT_INT8, "computes each row as its one-row call")}
+
+
+def integer_fits(model, kind: str = "int8") -> bool:
+    """Whether the `kind` backend ("int8" or "weight-int8") runs `model`: forward.py's architectures
+    in bf16 or fp32 on a CPU where its kernel is exact (`int8_runs`, `weight_int8_runs`)."""
+    runs = int8_runs if kind == "int8" else weight_int8_runs
     return (model.device.type == "cpu" and llama.supports(model)
-            and model.dtype in (torch.bfloat16, torch.float32) and int8_runs())
+            and model.dtype in (torch.bfloat16, torch.float32) and runs())
 
 
 def _bf16_backend(model, kind: str) -> Backend:
@@ -314,11 +331,11 @@ def fp32_forms(model) -> tuple[str, ...]:
     return tuple(min(FP32_FORMS, key=lambda form: costs[form][rows]) for rows in FP32_ROW_BUCKETS)
 
 
-def int8_step_cost(model, backend: Backend) -> StepCost:
-    """The cost of an int8 verify forward by row count (measured once per machine and model, kept
-    on disk): drafts are capped on it (`GoodputCap`), since without AMX the int8 kernels' cost
-    grows with the rows (docs/exactness.md, int8 on AVX2)."""
-    return StepCost(_measured(model, "int8", [backend], list(FP32_ROW_BUCKETS))[backend.name])
+def integer_step_cost(model, backend: Backend) -> StepCost:
+    """The cost of an int8 or weight-int8 verify forward by row count (measured once per machine
+    and model, kept on disk): drafts are capped on it (`GoodputCap`), since without AMX the
+    integer kernels' cost grows with the rows (docs/exactness.md, int8 on AVX2)."""
+    return StepCost(_measured(model, backend.name, [backend], list(FP32_ROW_BUCKETS))[backend.name])
 
 
 def fp32_step_cost(model) -> StepCost:

@@ -1,8 +1,9 @@
-"""The int8 linear layers (core/kernels/int8_linear.py) and the `int8` backend: every row of a call of any
-row count comes out bit for bit as its one-row call; `generate()` and the batched engine are token
-for token the backend's own one-token greedy decoding. Where no int8 kernel sums exactly the
-backend is refused, and these are visible skips. The whole module runs again with oneDNN capped
-at AVX2, as on a CPU without VNNI (`test_an_avx2_only_cpu_...`)."""
+"""The integer linear layers and their backends: `int8` (core/kernels/int8_linear.py: int8 weights and
+activations) and `weight-int8` (core/kernels/weight_int8.py: int8 weights, bf16 activations). Every
+row of a call of any row count comes out bit for bit as its one-row call; `generate()` and the
+batched engine are token for token the backend's own one-token greedy decoding. Where a kernel is
+not exact the backend is refused, and these are visible skips. The whole module runs again with
+oneDNN capped at AVX2, as on a CPU without VNNI (`test_an_avx2_only_cpu_...`)."""
 
 from __future__ import annotations
 
@@ -21,29 +22,37 @@ from specsuite.core.scheduler.engine import BatchEngine, Request
 from specsuite.core.scheduler.prefix_cache import PrefixCache
 from specsuite.core.kernels.int8_linear import (REDUCED_WEIGHT_MAX, Int8Kernel, Int8Weights, int8_rows, int8_runs,
                                                 quantize_rows)
+from specsuite.core.kernels.weight_int8 import WeightInt8Store, weight_int8_rows, weight_int8_runs
 from conftest import QWEN_LINEARS, REPO, OracleTreeDrafter, prompts, tiny_model
 
 needs_int8 = pytest.mark.skipif(not int8_runs(), reason="oneDNN's int8 kernel does not give exact sums on this CPU")
+needs_weight_int8 = pytest.mark.skipif(not weight_int8_runs(),
+                                       reason="ATen's _weight_int8pack_mm does not compute rows alike here")
+# Each integer backend kind, skipped where its kernel is not exact.
+INTEGER_KINDS = [pytest.param("int8", marks=needs_int8), pytest.param("weight-int8", marks=needs_weight_int8)]
+# Each integer linear form with its weight store and its distance from the float layer.
+INTEGER_FORMS = [pytest.param(int8_rows, Int8Weights, 0.05, marks=needs_int8, id="int8"),
+                 pytest.param(weight_int8_rows, WeightInt8Store, 0.02, marks=needs_weight_int8, id="weight-int8")]
 
-@needs_int8
+@pytest.mark.parametrize("rows_form, store, tolerance", INTEGER_FORMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_row_of_an_int8_call_is_its_one_row_call(dtype):
+def test_every_row_of_an_integer_call_is_its_one_row_call(dtype, rows_form, store, tolerance):
     """A verify forward, a prefill and a batched step compute their rows in calls of any row count:
     each row must be bit for bit what a one-token step computes for it, and near the float layer."""
     gen = torch.Generator().manual_seed(0)
     for out_f, in_f, bias in QWEN_LINEARS:
         layer = torch.nn.Linear(in_f, out_f, bias=bias).to(dtype)
-        weights = Int8Weights()
+        weights = store()
         for m in (1, 2, 3, 5, 9, 17, 32, 33, 70, 161):
             x = torch.randn(1, m, in_f, generator=gen)
             x[..., 7] *= 4  # an outlier channel, as real activations have (it coarsens the row's scale)
             x = x.to(dtype)
             with torch.inference_mode():
-                rows = int8_rows(layer, x, m, weights)
-                alone = torch.cat([int8_rows(layer, x[:, i: i + 1], 1, weights) for i in range(m)], dim=1)
+                rows = rows_form(layer, x, m, weights)
+                alone = torch.cat([rows_form(layer, x[:, i: i + 1], 1, weights) for i in range(m)], dim=1)
                 assert rows.dtype == dtype and torch.equal(rows, alone), (out_f, in_f, m)
                 exact = torch.nn.functional.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
-                assert (rows.float() - exact).norm() < 0.05 * exact.norm(), (out_f, in_f, m)
+                assert (rows.float() - exact).norm() < tolerance * exact.norm(), (out_f, in_f, m)
 
 
 def test_rows_are_quantized_each_by_its_own_scale():
@@ -74,38 +83,38 @@ def test_int8_weights_follow_in_place_changes_and_reuse_a_quantized_input():
     torch.testing.assert_close(after, layer(x).detach(), rtol=0.05, atol=0.05)
 
 
-@needs_int8
+@pytest.mark.parametrize("backend_kind", INTEGER_KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_int8_generate_and_engine_are_int8_greedy_token_for_token(kind, dtype):
-    """Drafted trees verified in int8 give the tokens of one-token greedy decoding in int8 (the
-    backend's stated baseline), one sequence at a time and in the batched engine (whose batched
-    attention rounds otherwise in bf16, as for every backend: checked where the tiny model has
-    no near-ties, llama's)."""
+def test_integer_generate_and_engine_are_the_backends_greedy_token_for_token(kind, dtype, backend_kind):
+    """Drafted trees verified in int8 (or weight-int8) give the tokens of one-token greedy decoding
+    in the same numerics (the backend's stated baseline), one sequence at a time and in the batched
+    engine (whose batched attention rounds otherwise in bf16, as for every backend: checked where
+    the tiny model has no near-ties, llama's)."""
     model = tiny_model(kind, max_positions=512).to(dtype)
-    backend = choose_backend(model, "int8")
-    assert backend.name == "int8" and backend.policy.draft_cost is not None  # drafts capped on its measured costs
+    backend = choose_backend(model, backend_kind)
+    assert backend.name == backend_kind and backend.policy.draft_cost is not None  # drafts capped on its measured costs
     ps = prompts(6, seed=31, lengths=(3, 120))
     truths = [generate(model, p, None, max_new_tokens=30, eos_token_id=[], backend=backend).tokens for p in ps]
     assert all(len(t) == 30 for t in truths)
     for i, (p, truth) in enumerate(zip(ps, truths)):
         out = generate(model, p, OracleTreeDrafter(p, truth, seed=i), max_new_tokens=30, eos_token_id=[], backend=backend)
         assert out.tokens == truth, i
-        assert out.stats.forward_passes < 30 and out.stats.backend == "int8"
+        assert out.stats.forward_passes < 30 and out.stats.backend == backend_kind
     if kind == "llama" or dtype == torch.float32:
         engine = BatchEngine(model, EngineConfig(3, backend=backend), eos_token_id=[], cost=StepCost({1: 1.0, 512: 1.0}))
         requests = [Request(p, OracleTreeDrafter(p, t, seed=i), SamplingParams(max_new_tokens=30)) for i, (p, t) in enumerate(zip(ps, truths))]
         assert [g.tokens for _, g in sorted(engine.run(requests), key=lambda r: r[0])] == truths
 
 
-@needs_int8
+@pytest.mark.parametrize("backend_kind", INTEGER_KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_with_a_prefix_cache_decodes_as_without(dtype):
-    """Prompts after a cached shared prefix (GEC's instruction) run only their own rows: with int8's
-    row-independent sums and the attention of `_prefill_block`, their tokens are those of the whole
-    prompt's prefill, so the backend keeps a prefix cache (`lossless_prefix_cache`)."""
+def test_integer_with_a_prefix_cache_decodes_as_without(dtype, backend_kind):
+    """Prompts after a cached shared prefix (GEC's instruction) run only their own rows: with
+    row-independent linear rows and the attention of `_prefill_block`, their tokens are those of
+    the whole prompt's prefill, so the backend keeps a prefix cache (`lossless_prefix_cache`)."""
     model = tiny_model("qwen2", max_positions=512).to(dtype)
-    backend = choose_backend(model, "int8")
+    backend = choose_backend(model, backend_kind)
     assert backend.lossless_prefix_cache
     shared = prompts(1, seed=5, lengths=(90, 90))[0]
     cache = PrefixCache(model.config)
@@ -117,9 +126,9 @@ def test_int8_with_a_prefix_cache_decodes_as_without(dtype):
         assert cached.tokens == plain.tokens, i
         assert (cached.stats.cached_prompt_tokens > 0) == (i > 0)
 
-@needs_int8
+@pytest.mark.parametrize("backend_kind", INTEGER_KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_mlp_in_row_blocks_computes_as_in_one(dtype):
+def test_integer_mlp_in_row_blocks_computes_as_in_one(dtype, backend_kind):
     """A long prefill's MLP runs in blocks of `mlp_rows` rows (its intermediates then stay in the
     CPU's caches): int8's rows compute alike in any call, so the logits are bit for bit those of
     the MLP in one block."""
@@ -132,7 +141,7 @@ def test_int8_mlp_in_row_blocks_computes_as_in_one(dtype):
     model = tiny_model("qwen2", max_positions=512).to(dtype)
     ids = torch.tensor([prompts(1, seed=8, lengths=(120, 120))[0]])
     n = ids.shape[1]
-    base = choose_backend(model, "int8")
+    base = choose_backend(model, backend_kind)
     assert base.mlp_rows and base.mlp_rows < 1024  # the backend runs long prefills in blocks
 
     def logits(mlp_rows):
@@ -149,23 +158,49 @@ def test_int8_is_refused_where_it_cannot_run_as_stated():
         choose_backend(model, "int8")
 
 
-def test_fast_is_int8_where_it_runs_and_the_models_own_numerics_elsewhere(monkeypatch):
+def test_fast_is_the_first_fast_integer_kind_and_the_models_own_numerics_elsewhere(monkeypatch):
     """The apps' default kind: int8 where this CPU's int8 kernel sums exactly, is fast, and the model
-    is one of forward.py's in bf16/fp32; otherwise what "auto" chooses (checked on both sides by
-    pretending the kernel check failed, so the test means the same on every CPU)."""
+    is one of forward.py's in bf16/fp32; else weight-int8 where its kernel is exact and fast;
+    otherwise what "auto" chooses (checked on every side by pretending the kernel checks came out
+    otherwise, so the test means the same on every CPU)."""
     from specsuite.core.model import backend as backend_module
 
     fp32, eager = tiny_model("llama"), tiny_model("llama", attn="eager")
     assert choose_backend(eager, "fast").name == choose_backend(eager, "auto").name == "plain"
     if backend_module.int8_runs() and backend_module.int8_pays():
         assert choose_backend(fp32, "fast").name == "int8"
-    monkeypatch.setattr(backend_module, "int8_pays", lambda: False)  # exact, but slow here (an AMD Zen 4)
+    monkeypatch.setattr(backend_module, "int8_pays", lambda: False)  # exact, but slow here (an AVX2-only EPYC)
+    monkeypatch.setattr(backend_module, "weight_int8_runs", lambda: True)
+    monkeypatch.setattr(backend_module, "weight_int8_pays", lambda: True)
+    if weight_int8_runs():  # the backend itself runs (a real kernel check), so it can be chosen and built
+        assert choose_backend(fp32, "fast").name == "weight-int8"
+    monkeypatch.setattr(backend_module, "weight_int8_pays", lambda: False)
     assert choose_backend(fp32, "fast").name == choose_backend(fp32, "auto").name
     monkeypatch.setattr(backend_module, "int8_pays", lambda: True)
     monkeypatch.setattr(backend_module, "int8_runs", lambda: False)
     assert choose_backend(fp32, "fast").name == choose_backend(fp32, "auto").name
     with pytest.raises(ValueError, match="int8 backend needs"):
         choose_backend(fp32, "int8")
+    monkeypatch.setattr(backend_module, "weight_int8_runs", lambda: False)
+    with pytest.raises(ValueError, match="weight-int8 backend needs"):
+        choose_backend(fp32, "weight-int8")
+
+
+@needs_weight_int8
+def test_weight_int8_weights_follow_in_place_changes_and_cast_an_input_once():
+    gen = torch.Generator().manual_seed(2)
+    layer = torch.nn.Linear(256, 64, bias=True)
+    store = WeightInt8Store()
+    x = torch.randn(1, 3, 256, generator=gen)
+    w0, x0 = layer.weight.detach().clone(), x.clone()
+    before = weight_int8_rows(layer, x, 3, store)
+    assert torch.equal(layer.weight, w0) and torch.equal(x, x0)  # quantizing copies, never scales in place
+    assert len(store) == 1 and store.rows(x) is store.rows(x)  # q, k and v cast their input once
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    after = weight_int8_rows(layer, x, 3, store)
+    torch.testing.assert_close(after - layer.bias, 2 * (before - layer.bias), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(after, layer(x).detach(), rtol=0.05, atol=0.05)
 
 
 # What a CPU with AVX2 and no VNNI computes, on any x86 CPU: oneDNN (and with it ATen's `_int_mm`),

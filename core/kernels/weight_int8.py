@@ -1,0 +1,118 @@
+"""Linear layers with int8 weights and bf16 activations (ATen's `_weight_int8pack_mm`), for the
+`weight-int8` backend: the fast form where the int8 x int8 kernels are slow (CPUs with AVX2 only).
+
+Each weight is quantized once, on first use, by symmetric per-channel scales (absmax / 127, kept
+in bf16 as the kernel takes them); a call's rows go in as bf16 and come out in bf16, each row's
+sums in fp32 over the int8 weights converted on the fly. A decode step then streams a quarter of
+an fp32 weight's bytes. What a drafting backend needs is that a row of a call of any row count
+comes out bit for bit as its one-row call: the kernel computes each row with its own accumulators,
+so nothing in a row depends on the other rows of its call; `weight_int8_runs` checks that once per
+process, at every row count a forward uses, and the backend is refused where it fails. Greedy
+output is then identical to this backend's own one-token greedy decoding (not to fp32 greedy:
+the weights and activations are rounded; docs/exactness.md, weight-only int8).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .exact_linear import PackedWeights
+from .timing import timed_seconds
+
+QMAX = 127
+QUANTIZE_ROWS = 1024  # rows of a weight quantized at a time (fp32 temporaries of a few MB)
+# The `fast` kind takes this form where a one-row call costs at most this share of the faster
+# one-row float call (bf16 or fp32); the margin keeps the choice the same in every process of a
+# machine (a real AVX2-only EPYC: 0.56; docs/exactness.md, weight-only int8).
+PAYS_RATIO = 0.75
+
+
+class WeightInt8(NamedTuple):
+    """A weight's int8 values (out, in) and its bf16 channel scales (out,)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+class WeightInt8Store(PackedWeights):
+    """The int8 form of each weight a backend's forwards use, made on first use and again when the
+    weight changes (`exact_linear.PackedWeights`' cache); and the last input cast to bf16, since q,
+    k and v (and gate and up) read the same hidden states. A backend owns one: nothing is kept on
+    the model."""
+
+    def __init__(self) -> None:
+        super().__init__(quantized_weight)
+        self._last: tuple | None = None  # (the input, its version, its bf16 rows)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> its rows (m, in) in bf16, reused while x is the same unchanged tensor."""
+        version = None if x.is_inference() else x._version  # inference tensors keep none
+        last = self._last
+        if last is not None and last[0] is x and last[1] == version:
+            return last[2]
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        self._last = (x, version, rows)
+        return rows
+
+
+def quantized_weight(weight: torch.Tensor) -> WeightInt8:
+    """In blocks of rows, so that no whole-weight fp32 temporary is made (a large output layer)."""
+    w = weight.detach()
+    scale = (w.abs().amax(dim=1).float().clamp_(min=1e-12) / QMAX).to(torch.bfloat16)
+    q = torch.empty(w.shape, dtype=torch.int8)
+    for start in range(0, w.shape[0], QUANTIZE_ROWS):
+        rows = slice(start, start + QUANTIZE_ROWS)
+        block = w[rows].to(torch.float32, copy=True)  # a copy: scaled in place
+        q[rows] = block.div_(scale[rows, None].float()).round_().clamp_(-QMAX, QMAX)
+    return WeightInt8(q, scale)
+
+
+def weight_int8_call(x: torch.Tensor, weight: WeightInt8) -> torch.Tensor:
+    """x (m, in) in bf16 -> (m, out) in bf16: each row's sums over the int8 weight, times its scales."""
+    return torch._weight_int8pack_mm(x, weight.q, weight.scale)
+
+
+def weight_int8_rows(layer: torch.nn.Linear, x: torch.Tensor, block: int, store: WeightInt8Store) -> torch.Tensor:
+    """x (1, rows, in) -> (1, rows, out) in x's dtype, every row as its one-row call, in one call
+    whatever `block` is (a prefill's rows compute as any other row here)."""
+    y = weight_int8_call(store.rows(x), store(layer.weight)).to(x.dtype)
+    if layer.bias is not None:
+        y += layer.bias
+    return y[None]
+
+
+@functools.cache
+def weight_int8_runs() -> bool:
+    """Whether the kernel runs here and computes every row of a call of 1..40 rows and of a
+    prefill's row count bit for bit as its one-row call (random rows, a wide input, in any place
+    of the call). Checked once per process."""
+    gen = torch.Generator().manual_seed(0)
+    try:
+        weight = quantized_weight(torch.randn(160, 4864, generator=gen))
+        x = torch.randn(300, 4864, generator=gen).to(torch.bfloat16)
+        alone = torch.cat([weight_int8_call(x[i: i + 1], weight) for i in range(x.shape[0])])
+        calls = [(0, m) for m in range(1, 41)] + [(0, 300), (5, 37), (101, 300)]
+        return all(torch.equal(weight_int8_call(x[a:b], weight), alone[a:b]) for a, b in calls)
+    except (RuntimeError, NotImplementedError, AttributeError):  # no such kernel in this torch or for this CPU
+        return False
+
+
+@functools.cache
+def weight_int8_pays() -> bool:
+    """Whether the form is fast here: a one-row call on a 4864 x 896 weight takes at most
+    PAYS_RATIO x a one-row `F.linear` call in bf16 or fp32 (the faster), fastest of 10 alternated
+    timings after a warm-up. One row, since that is what a decode step costs."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 896, generator=gen), torch.randn(4864, 896, generator=gen)
+    floats = {str(d): (x.to(d), w.to(d)) for d in (torch.bfloat16, torch.float32)}
+    try:
+        xb, weight = x.to(torch.bfloat16), quantized_weight(w)
+        calls = {"int8": lambda: weight_int8_call(xb, weight), **{d: (lambda d=d: F.linear(*floats[d])) for d in floats}}
+        times = timed_seconds(lambda name, _: calls[name], list(calls), [1], reps=10)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return min(times["int8"][1]) <= PAYS_RATIO * min(min(times[d][1]) for d in floats)
