@@ -6,7 +6,7 @@ then jumps at 8, 16 and 32, which `generate()`'s draft size ladder follows). Thi
 prompt of random tokens is prefilled once, then a chain of k-1 draft tokens after one fresh token
 runs through each backend's forward (`core.backend`), k rows in all, every row count in turn,
 `reps` rounds (the one timing loop, `core.calibration`), the cache cropped back after each: the model's exact form for its dtype,
-the plain multi-row forward and, where their kernels are exact and fast, the int8 and weight-int8 backends. It also says which backend `generate()` runs for this model here,
+the plain multi-row forward, where oneDNN's int8 kernel sums exactly and is fast the int8 backend, and where its kernel is exact the weight-int8 backend. It also says which backend `generate()` runs for this model here,
 and how many bytes a one-row step reads and at what rate, against the machine's copy bandwidth
 (a decode step reads every weight once: memory bandwidth is its roof).
 """
@@ -23,7 +23,7 @@ from specsuite.core.model.backend import EXACT_BF16, FP32_CPU, choose_backend, p
 from specsuite.core.model.calibration import measure_forward_costs
 from specsuite.core.speculation.draft_budget import costs_dir, forget_costs
 from specsuite.core.kernels.int8_linear import int8_pays, int8_runs
-from specsuite.core.kernels.weight_int8 import weight_int8_pays, weight_int8_runs
+from specsuite.core.kernels.weight_int8 import weight_int8_runs
 from specsuite.core.model import forward as llama
 from specsuite.models import DEFAULT_MODEL, load_model
 
@@ -36,9 +36,10 @@ def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5)
         exact = choose_backend(model, "exact")  # fp32: with the kernel forms measured for this model
         backends = ([exact] if exact.name in (EXACT_BF16.name, FP32_CPU.name) else []) + [
             b.owned() for b in plain_forms(model.dtype)]
-        for kind, pays, runs in (("int8", int8_pays, int8_runs), ("weight-int8", weight_int8_pays, weight_int8_runs)):
-            if pays() and runs():  # a slow integer kernel (int8 on an AVX2-only EPYC) would take minutes here
-                backends.append(choose_backend(model, kind))
+        if int8_pays() and int8_runs():  # a slow int8 kernel (an AVX2-only EPYC) would take minutes here
+            backends.append(choose_backend(model, "int8"))
+        if weight_int8_runs():
+            backends.append(choose_backend(model, "weight-int8"))
     return measure_forward_costs(model, backends, rows, context, reps)
 
 

@@ -1,5 +1,5 @@
 """Linear layers with int8 weights and bf16 activations (ATen's `_weight_int8pack_mm`), for the
-`weight-int8` backend: the fast form where the int8 x int8 kernels are slow (CPUs with AVX2 only).
+`weight-int8` backend (asked for by name: no default takes it; docs/exactness.md, weight-only int8).
 
 Each weight is quantized once, on first use, by symmetric per-channel scales (absmax / 127, kept
 in bf16 as the kernel takes them); a call's rows go in as bf16 and come out in bf16, each row's
@@ -18,17 +18,11 @@ import functools
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from .exact_linear import PackedWeights
-from .timing import timed_seconds
 
 QMAX = 127
 QUANTIZE_ROWS = 1024  # rows of a weight quantized at a time (fp32 temporaries of a few MB)
-# The `fast` kind takes this form where a one-row call costs at most this share of the faster
-# one-row float call (bf16 or fp32); the margin keeps the choice the same in every process of a
-# machine (a real AVX2-only EPYC: 0.56; docs/exactness.md, weight-only int8).
-PAYS_RATIO = 0.75
 
 
 class WeightInt8(NamedTuple):
@@ -99,20 +93,3 @@ def weight_int8_runs() -> bool:
         return all(torch.equal(weight_int8_call(x[a:b], weight), alone[a:b]) for a, b in calls)
     except (RuntimeError, NotImplementedError, AttributeError):  # no such kernel in this torch or for this CPU
         return False
-
-
-@functools.cache
-def weight_int8_pays() -> bool:
-    """Whether the form is fast here: a one-row call on a 4864 x 896 weight takes at most
-    PAYS_RATIO x a one-row `F.linear` call in bf16 or fp32 (the faster), fastest of 10 alternated
-    timings after a warm-up. One row, since that is what a decode step costs."""
-    gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(1, 896, generator=gen), torch.randn(4864, 896, generator=gen)
-    floats = {str(d): (x.to(d), w.to(d)) for d in (torch.bfloat16, torch.float32)}
-    try:
-        xb, weight = x.to(torch.bfloat16), quantized_weight(w)
-        calls = {"int8": lambda: weight_int8_call(xb, weight), **{d: (lambda d=d: F.linear(*floats[d])) for d in floats}}
-        times = timed_seconds(lambda name, _: calls[name], list(calls), [1], reps=10)
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return False
-    return min(times["int8"][1]) <= PAYS_RATIO * min(min(times[d][1]) for d in floats)

@@ -25,8 +25,9 @@ whether a prefix cache is lossless.
   Chosen by "fast" (the apps' default) where it runs and is fast; "auto" keeps the model's own numerics.
 - `weight-int8`: every linear layer with int8 weights and bf16 activations (weight_int8.py); each
   row computes alike in any call too, so output is identical to this backend's own greedy
-  decoding. Chosen by "fast" where `int8` is slow and this form is fast (AVX2-only CPUs), since a
-  decode step streams a quarter of fp32's bytes.
+  decoding. Asked for by name only: where int8 is slow (AVX2-only CPUs) its one-row steps are
+  faster than fp32's, but its rows cost more with every row of a call, so drafting decodes slower
+  (docs/exactness.md, weight-only int8).
 
 Whatever the kind chosen for a bf16 model on the CPU, the batched engine computes every row of
 its forwards on packed weights where oneDNN runs on them (`engine_linear`): batched rows round as
@@ -54,7 +55,7 @@ from ..kernels.exact_linear import (FP32_FORMS, Fp32Forms, FP32_ROW_BUCKETS, PLA
                                     fp32_linear, packed_bf16_runs, packed_rows, short_call_rows)
 from ..kernels.int8_linear import Int8Weights, int8_kernel, int8_pays, int8_rows, int8_runs
 from ..kernels.logit_screen import LogitScreen
-from ..kernels.weight_int8 import WeightInt8Store, weight_int8_pays, weight_int8_rows, weight_int8_runs
+from ..kernels.weight_int8 import WeightInt8Store, weight_int8_rows, weight_int8_runs
 from ..kernels.row_plan import RowPlan
 from ..speculation.verify import tree_attention_mask
 
@@ -245,7 +246,7 @@ def choose_backend(model, kind: str = "auto") -> Backend:
     """The backend for `model`: kind "exact" (the exact form for its dtype where one exists),
     "plain", "auto" (exact where affordable, see the module docstring), "int8", "weight-int8", or
     "fast" (int8 where it runs on this CPU and model and its kernel is fast here, `int8_pays`, else
-    weight-int8 where that is, `weight_int8_pays`, else "auto"). Choose once per loaded
+    "auto"). Choose once per loaded
     model and pass it on: the measurements it rests on are read from disk, but its packed weights
     and logit screen are made anew for each backend."""
     return _choose(model, kind).owned()
@@ -261,8 +262,7 @@ def _choose(model, kind: str) -> Backend:
         raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
     cpu = model.device.type == "cpu"
     if kind == "fast":
-        kind = next((k for k, pays in (("int8", int8_pays), ("weight-int8", weight_int8_pays))
-                     if integer_fits(model, k) and pays()), "auto")
+        kind = "int8" if int8_pays() and integer_fits(model, "int8") else "auto"
     if kind in INTEGER_KINDS:
         if not integer_fits(model, kind):
             raise ValueError(f"the {kind} backend needs a Llama-family model (Llama, Qwen2) in bf16 or fp32 on a CPU "

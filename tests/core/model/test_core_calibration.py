@@ -12,17 +12,20 @@ from specsuite.core.model import calibration
 from specsuite.core.model.calibration import calibrated, timed_seconds, timing_problem
 from specsuite.core.speculation.draft_budget import StepCost
 from specsuite.core.kernels.int8_linear import int8_pays, int8_runs
+from specsuite.core.kernels.weight_int8 import weight_int8_runs
 
 
 def test_step_cost_times_every_row_count_in_each_backend():
     """`specsuite step-cost` times verify forwards by row count in the model's exact form and the
-    plain one (and int8 where its kernel sums exactly), and leaves the model as it was."""
+    plain one (int8 where its kernel sums exactly and is fast, weight-int8 where its kernel is
+    exact), and leaves the model as it was."""
     from specsuite.step_cost import format_costs, measure_step_costs
 
     model = model_for("qwen2")
     before = dict(vars(model))
     costs = measure_step_costs(model, [1, 3, 6], context=10, reps=2)
-    assert set(costs) == {"fp32-cpu", "plain"} | ({"int8"} if int8_pays() and int8_runs() else set())
+    integer = ({"int8"} if int8_pays() and int8_runs() else set()) | ({"weight-int8"} if weight_int8_runs() else set())
+    assert set(costs) == {"fp32-cpu", "plain"} | integer
     assert all(set(c) == {1, 3, 6} and min(c.values()) > 0 for c in costs.values())
     assert vars(model).keys() == before.keys() and all(vars(model)[k] is v for k, v in before.items())
     assert len(format_costs(costs).splitlines()) == 4
@@ -36,7 +39,7 @@ def test_step_bytes_count_the_weights_at_the_backends_size_and_the_kv_read():
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
     assert step_bytes(model, "plain", 10) == 4 * linear + 10 * kv
-    assert step_bytes(model, "int8", 0) == linear
+    assert step_bytes(model, "int8", 0) == step_bytes(model, "weight-int8", 0) == linear
     roof = copy_bandwidth(megabytes=16, reps=2)
     assert 1e8 < roof < 1e13  # between 0.1 and 10,000 GB/s
     text = format_bandwidth(model, {"plain": {1: 0.001, 2: 0.002}}, 10, roof)
