@@ -35,7 +35,7 @@ def measure_step_costs(model, rows: list[int], context: int = 80, reps: int = 5)
     if llama.supports(model) and model.device.type == "cpu":
         exact = choose_backend(model, "exact")  # fp32: with the kernel forms measured for this model
         backends = ([exact] if exact.name in (EXACT_BF16.name, FP32_CPU.name) else []) + [
-            b.owned() for b in plain_forms(model.dtype)]
+            b.loaded(model) for b in plain_forms(model.dtype)]
         if int8_pays() and int8_runs():  # a slow int8 kernel (an AVX2-only EPYC) would take minutes here
             backends.append(choose_backend(model, "int8"))
         if weight_int8_runs():

@@ -9,50 +9,69 @@ does, and the root and each draft row as a one-row call over exactly the keys it
 exactly as a decode step does. In bf16, rows of similar length share one call, batched and
 padded where that rounds the same (tested; see `_groups`).
 
-The linear layers need the same care in bf16: see exact_linear.py. A backend's `RowPlan`
-(row_plan.py) says which rows are the block; forward.py's layer loop calls this attention with it. In fp32 the differences are ~1e-5, and generate() guards near-ties.
+The linear layers need the same care in bf16: see exact_linear.py. The caller (forward.py's
+`cache_forward`) says which rows are the block. In fp32 the differences are ~1e-5, and generate() guards near-ties.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+import torch.nn.functional as F
 
 
-def exact_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, plan, **kwargs) -> tuple[torch.Tensor, None]:
-    """query (b, heads, q, d), key/value (b, kv_heads, kv, d) -> ((b, q, heads, d), None): the
-    first `plan.block` query rows as a prefill's causal call, the others as one-token steps
-    (`plan`: a `row_plan.RowPlan`, whose memo keeps the row calls for the forward's other layers)."""
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+         scaling: float) -> torch.Tensor:
+    """A causal decoder's attention by the very calls HF's sdpa attention makes on the CPU (so bit for
+    bit its rounding): query (b, heads, q, d), key/value (b, kv_heads, kv, d) -> (b, q, heads, d)."""
+    b, heads, rows, dim = query.shape
+    groups = heads // key.shape[1]
+    gqa = {}
+    if groups > 1:
+        if mask is None:
+            gqa["enable_gqa"] = True
+        elif rows == 1:  # one query row: the query heads of each key/value head as its rows
+            query = query.reshape(b, heads // groups, groups, dim)
+        else:
+            key, value = (t[:, :, None].expand(-1, -1, groups, -1, -1).reshape(b, heads, -1, t.shape[-1])
+                          for t in (key, value))
+    causal = rows > 1 and mask is None
+    if causal and key.shape[2] > rows:  # a causal call aligns its mask top-left: only the first rows' keys
+        key, value = key[:, :, :rows], value[:, :, :rows]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, is_causal=causal, **gqa)
+    return out.reshape(out.shape[0], -1, rows, value.shape[-1]).transpose(1, 2).contiguous()
+
+
+def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    block: int, memo: dict, scaling: float) -> torch.Tensor:
+    """query (b, heads, q, d), key/value (b, kv_heads, kv, d) -> (b, q, heads, d): the first `block`
+    query rows as a prefill's causal call, the others as one-token steps (`memo`: one dict per
+    forward, which keeps the row calls for the forward's other layers)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    block = plan.block
     if q_len == 1 or (block >= q_len and block == kv_len):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return sdpa(query, key, value, attention_mask, scaling)
     past = kv_len - q_len
     out = []
     if block > 1:
-        out.append(_prefill_block(module, query[:, :, :block], key, value, past, kwargs))
+        out.append(_prefill_block(query[:, :, :block], key, value, past, scaling))
     else:
         block = 0  # a lone root token is a decode step: a row like the draft rows below
     # The row calls are the same in every layer of this forward: planned once.
-    memo = plan.memo
     plan_key = ("row calls", q_len, kv_len, block, None if attention_mask is None else attention_mask.data_ptr())
     calls = memo.get(plan_key)
     if calls is None:
         grouped = query.dtype == torch.bfloat16 and _grouping_is_exact(query.shape[1], key.shape[1], query.shape[3])
         calls = memo[plan_key] = _row_calls(attention_mask, block, q_len, past, grouped)
-    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    gqa = query.shape[1] > key.shape[1]
     draft_query = query[:, :, block:]
     draft_out = query.new_empty(query.shape[0], q_len - block, query.shape[1], query.shape[3])
     for call in calls:
-        draft_out[:, call.rows] = _run_call(draft_query[:, :, call.rows], key, value, call, kwargs.get("scaling"), gqa)
+        draft_out[:, call.rows] = _run_call(draft_query[:, :, call.rows], key, value, call, scaling, gqa)
     if q_len > block:
         out.append(draft_out)
-    return (out[0] if len(out) == 1 else torch.cat(out, dim=1)).contiguous(), None
+    return (out[0] if len(out) == 1 else torch.cat(out, dim=1)).contiguous()
 
 
 def _row_calls(mask: torch.Tensor | None, block: int, q_len: int, past: int, grouped: bool) -> list[RowCall]:
@@ -76,8 +95,8 @@ def _row_calls(mask: torch.Tensor | None, block: int, q_len: int, past: int, gro
 MIN_BLOCK_ROWS = 64
 
 
-def _prefill_block(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: int,
-                   kwargs: dict) -> torch.Tensor:
+def _prefill_block(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: int,
+                   scaling: float) -> torch.Tensor:
     """The causal attention of a block of `block` plain rows after `past` cached keys, rounded as
     in one causal prefill of all past + block rows (what plain decoding does without a prefix cache).
 
@@ -92,11 +111,11 @@ def _prefill_block(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     start = 0
     if past and _short_block_is_exact(query.shape[1], key.shape[1], query.shape[3], query.dtype):
         start = max(end - max(block, MIN_BLOCK_ROWS), 0)
-    return _causal_rows(module, query, key, value, start, past, kwargs)
+    return _causal_rows(query, key, value, start, past, scaling)
 
 
-def _causal_rows(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int, past: int,
-                 kwargs: dict) -> torch.Tensor:
+def _causal_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int, past: int,
+                 scaling: float) -> torch.Tensor:
     """Rows past.. of a causal call over keys :past + q, run as query rows start.. only (dummy
     queries for start..past). query (b, heads, q, d) -> (b, q, heads, d)."""
     end = past + query.shape[2]
@@ -105,7 +124,7 @@ def _causal_rows(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     mask = None  # None: the causal call over all rows
     if start:
         mask = torch.ones(end - start, end, dtype=torch.bool).tril(diagonal=start)[None, None]
-    return sdpa_attention_forward(module, query, key[:, :, :end], value[:, :, :end], mask, **kwargs)[0][:, past - start:]
+    return sdpa(query, key[:, :, :end], value[:, :, :end], mask, scaling)[:, past - start:]
 
 
 @functools.cache
@@ -113,14 +132,12 @@ def _short_block_is_exact(heads: int, kv_heads: int, dim: int, dtype: torch.dtyp
     """Whether `_prefill_block` rounds as a causal call over the whole prompt when it runs only the
     last MIN_BLOCK_ROWS rows; checked once per attention shape on random rows (tens of ms)."""
     gen = torch.Generator().manual_seed(0)
-    module = types.SimpleNamespace(is_causal=True, training=False, num_key_value_groups=heads // kv_heads)
     for end, block in ((300, 17), (793, 25), (520, 1 + MIN_BLOCK_ROWS), (1100, 40)):
         q = torch.randn(1, heads, end, dim, generator=gen).to(dtype)
         k, v = (torch.randn(1, kv_heads, end, dim, generator=gen).to(dtype) for _ in range(2))
-        kw = {"scaling": dim ** -0.5}
-        whole = sdpa_attention_forward(module, q, k, v, None, **kw)[0]
-        short = _causal_rows(module, q[:, :, end - block:], k, v, max(end - max(block, MIN_BLOCK_ROWS), 0),
-                             end - block, kw)
+        whole = sdpa(q, k, v, None, dim ** -0.5)
+        short = _causal_rows(q[:, :, end - block:], k, v, max(end - max(block, MIN_BLOCK_ROWS), 0),
+                             end - block, dim ** -0.5)
         if not torch.equal(short, whole[:, end - block:]):
             return False
     return True
@@ -219,7 +236,7 @@ def _plan_call(rows: list[int], visible: list[int | torch.Tensor], kv_len: int) 
 def _run_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: RowCall,
               scaling: float | None, gqa: bool) -> torch.Tensor:
     """query (1, heads, g, d), key/value (1, kv_heads, kv, d) -> (1, g, heads, d). For one row this
-    is the very call a one-token decode step makes in HF's sdpa_attention_forward (GQA in the
+    is the very call a one-token decode step makes in `sdpa` (as HF's sdpa attention: GQA in the
     kernel), made directly: the wrapper's checks cost more than the kernel here."""
     g = query.shape[2]
     if call.index is None:  # prefixes of the cache: no copy

@@ -5,7 +5,7 @@ the number of rows in the call: a k-row verify call may round otherwise than a d
 one-row call, and so may a prefill's rows when draft rows follow them in the same call. Those last
 bits drift into the KV cache and flip an exact tie of the logits now and then
 (docs/architecture-core.md, Measurements: bf16 rounding by row count). So in a forward whose
-`RowPlan` has `block` n, the n block rows (a prefill) run as one call of their own, as `generate()`'s
+block is n (the `block` each linear module is called with), the n block rows (a prefill) run as one call of their own, as `generate()`'s
 prefill does, and the other rows in a form that rounds each row as a one-row call does.
 
 Why calls round differently: oneDNN (AMX) may split the sum over a call's input dimension into
@@ -35,7 +35,7 @@ The `plain-packed` backend's draft rows run on packed weights too (`packed_rows`
 plain calls, not exact.
 
 Every form is also checked on random rows, and tested on real activations. The model's own layers
-are never changed: HF's generate() computes as ever; only forward.py's layer loop calls these forms.
+are never changed: HF's generate() computes as ever; only the owned decoder's modules (linear.py) call these forms.
 
 In fp32 no form rounds draft rows bit for bit as one-row calls, and none needs to: rows differ
 from plain calls by ~1e-6, and generate()'s tie guard redoes, as plain decoding computes them, the
@@ -122,9 +122,9 @@ def weight_state(weight: torch.Tensor) -> tuple:
 
 class PackedWeights:
     """Weights packed for oneDNN (a second copy of each), made on first use and again whenever a
-    weight changes. A backend owns one (backend.py) and hands it down each forward in its
-    `RowPlan`: the copies live as long as the backend, outside the model, so that copying or
-    saving the model never meets the opaque tensors."""
+    weight changes. A backend owns one (backend.py) and gives it to the linear modules of
+    its decoders (linear.py): the copies live as long as the backend, outside HF's model, so that
+    copying or saving that model never meets the opaque tensors."""
 
     def __init__(self, make: Callable[[torch.Tensor], object] | None = None) -> None:
         # id(weight) -> (a weak reference to it, its weight_state, its copy). Nothing here keeps a

@@ -2,7 +2,8 @@
 
 One `Backend` per loaded model, chosen once (`choose_backend`) by whoever loaded it and passed to
 `generate()` and the engine; nothing is kept on the model. Each kind owns its forward (`forward`),
-the packed copies of the weights its kernel forms run on (`packed`), and its policy: the tie
+its decoders of the model (decoder.py: its linear layers swapped for the kind's kernel forms,
+`module`), the packed copies of the weights those forms run on (`packed`), and its policy: the tie
 margin of greedy verification, the draft size ladder, the draft verified in the prefill, and
 whether a prefix cache is lossless.
 
@@ -41,10 +42,12 @@ one costs over EXACT_OVERHEAD more than `plain`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from .calibration import calibrated, forward_times
@@ -56,7 +59,8 @@ from ..kernels.exact_linear import (FP32_FORMS, Fp32Forms, FP32_ROW_BUCKETS, PLA
 from ..kernels.int8_linear import Int8Weights, int8_kernel, int8_pays, int8_rows, int8_runs
 from ..kernels.logit_screen import LogitScreen
 from ..kernels.weight_int8 import WeightInt8Store, weight_int8_rows, weight_int8_runs
-from ..kernels.row_plan import RowPlan
+from ..kernels.linear import FormLinear
+from .decoder import Decoder, Linear
 from ..speculation.verify import tree_attention_mask
 
 # fp32 on the CPU a verify step costs more with every few rows, so drafts climb a ladder filling
@@ -98,7 +102,7 @@ class Backend:
     screen of the model's output layer (logit_screen.py; None: from the layer). engine_linear: the
     form of every row of the batched engine's forwards (`packed_rows`: on the packed weights);
     None: all rows as one block in `linear`'s form (a prefill's). mlp_rows: a long forward's MLP
-    runs in blocks of this many rows (`RowPlan.mlp_rows`; only where rows compute alike in any
+    runs in blocks of this many rows (decoder.py's `MLP`; only where rows compute alike in any
     call). packed: the weights packed for oneDNN that `linear` runs on, this backend's own
     (`owned`; None in the kinds below, which are templates: their calls would pack the weights
     every time).
@@ -119,6 +123,9 @@ class Backend:
     mlp_rows: int | None = None
     packed: PackedWeights | None = field(default=None, compare=False, repr=False)
     store: Callable = field(default=PackedWeights, compare=False, repr=False)
+    # Set by `loaded`. A copy changed by `replace` may carry them over; `decoders` uses them only
+    # while they were built in this backend's forms (`Decoders.forms`), else builds its own.
+    loaded_decoders: Decoders | None = field(default=None, compare=False, repr=False)
 
     def owned(self) -> Backend:
         """This backend with a `store` of its own (`packed`: the weights in the form its kernels
@@ -139,18 +146,43 @@ class Backend:
         kernel = int8_kernel() if self.name == "int8" else None
         return (kernel.label if kernel else self.name) + (" + logit screen" if self.screen is not None else "")
 
-    def plan(self, block: int, total: int) -> RowPlan | None:
-        """How one forward of `total` rows, whose first `block` run as a prefill does, computes
-        them (None: as the model's own forward does)."""
-        if not self.exact_rows:
-            return None
-        return RowPlan(block, total, self.linear, self.exact_attention, self.packed, mlp_rows=self.mlp_rows)
+    def module(self, layer: nn.Linear, engine: bool = False) -> nn.Module:
+        """HF's `layer` as this backend's decoder computes it: in the form of its one-sequence
+        forwards, or with `engine` of the batched engine's; plain where it has none (or off the CPU)."""
+        form = self.linear if self.exact_rows else None
+        if engine and self.engine_linear is not None:
+            form = self.engine_linear
+        if form is None or layer.weight.device.type != "cpu":
+            return Linear(layer.weight, layer.bias)
+        return FormLinear(layer.weight, layer.bias, form, self.packed)
 
-    def engine_plan(self, rows: int) -> RowPlan | None:
-        """How one forward of the batched engine computes its `rows` rows (`engine_linear`)."""
-        if self.engine_linear is not None:
-            return RowPlan(0, rows, self.engine_linear, False, self.packed, mlp_rows=self.mlp_rows)
-        return self.plan(rows, rows)
+    def decoder(self, model, engine: bool = False) -> Decoder:
+        """The owned decoder of `model` whose linear layers are this backend's modules (`module`)."""
+        return Decoder.from_hf(model, functools.partial(self.module, engine=engine),
+                               self.mlp_rows if self.exact_rows else None)
+
+    def forms(self) -> tuple:
+        """What the modules of this backend's decoders are made of (`module`, `decoder`)."""
+        return self.exact_rows, self.linear, self.engine_linear, id(self.packed), self.mlp_rows
+
+    def loaded(self, model) -> Backend:
+        """This backend (`owned`) with its decoders of `model` built once (`decoders`), where the
+        owned decoder runs it (`forward.supports`)."""
+        backend = self.owned()
+        if not llama.supports(model) or backend._kept(model) is not None:
+            return backend
+        return replace(backend, loaded_decoders=Decoders(model, backend.decoder(model), backend.decoder(model, engine=True),
+                                                         backend.forms()))
+
+    def decoders(self, model) -> Decoders:
+        """The decoders of `model` in this backend's forms: the ones built by `loaded`, else made now
+        (a backend not chosen for this model, as tests make them: their modules are a few
+        wrappers around the model's tensors)."""
+        return self._kept(model) or Decoders(model, self.decoder(model), self.decoder(model, engine=True), self.forms())
+
+    def _kept(self, model) -> Decoders | None:
+        kept = self.loaded_decoders
+        return kept if kept is not None and kept.model is model and kept.forms == self.forms() else None
 
     def forward(self, model, fresh: list[int], cache: DynamicCache, past: int, draft: Draft | None,
                 greedy_margin: float | None = None) -> torch.Tensor:
@@ -175,11 +207,23 @@ class Backend:
             head = None
             if self.screen is not None and greedy_margin is not None:
                 head = lambda hidden: self.screen(hidden[0], greedy_margin)[None]  # noqa: E731
-            return llama.cache_forward(model, ids, cache, positions, mask, n + 1, head=head,
-                                       plan=self.plan(len(fresh), len(fresh) + n))
+            return llama.cache_forward(self.decoders(model).one, ids, cache, positions, mask, n + 1, len(fresh),
+                                       exact=self.exact_rows and self.exact_attention, head=head)
         # other architectures: the model's own forward (their backend is `plain`, see choose_backend)
         extra = {} if mask is None else {"position_ids": positions, "attention_mask": mask}
         return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n + 1, **extra).logits[0]
+
+
+@dataclass(frozen=True)
+class Decoders:
+    """A backend's decoders of one HF model: `one` for one-sequence forwards (`linear`'s forms),
+    `engine` for the batched engine's (`engine_linear`'s); the same modules' tensors, HF's. forms:
+    the backend's `forms()` they were built in."""
+
+    model: nn.Module
+    one: Decoder
+    engine: Decoder
+    forms: tuple = ()
 
 
 # exact-bf16: every row rounds bit for bit as in a one-token step, so no tie guard is needed
@@ -248,8 +292,8 @@ def choose_backend(model, kind: str = "auto") -> Backend:
     "fast" (int8 where it runs on this CPU and model and its kernel is fast here, `int8_pays`, else
     "auto"). Choose once per loaded
     model and pass it on: the measurements it rests on are read from disk, but its packed weights
-    and logit screen are made anew for each backend."""
-    return _choose(model, kind).owned()
+    and logit screen are made anew for each backend, and so are its decoders of the model."""
+    return _choose(model, kind).loaded(model)
 
 
 def requested_kind(int8: bool, exact: bool, default: str) -> str:
@@ -308,7 +352,7 @@ def _measured(model, measure: str, backends: list[Backend], rows: list[int]) -> 
     on disk as a `StepCost` per machine and model (`cost_file` of `measure`), checked and re-timed
     as `calibration.calibrated` says."""
     paths = {b.name: cost_file(model, measure=f"{measure}:{b.name}") for b in backends}
-    owned = {b.name: b.owned() for b in backends}  # their packed copies go with them
+    owned = {b.name: b.loaded(model) for b in backends}  # their packed copies and decoders go with them
 
     costs = calibrated(paths, rows, lambda rows, reps: forward_times(model, list(owned.values()), rows, reps=reps),
                        reps=2)

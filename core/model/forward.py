@@ -1,97 +1,48 @@
-"""The forward of a Llama-family decoder (ARCHITECTURES), without transformers' per-call machinery.
+"""The forwards of a Llama-family decoder (ARCHITECTURES) on our own model (decoder.py), without
+transformers' per-call machinery.
 
 `generate()` makes a forward pass per step, and transformers' modeling code spends a noticeable
 share of each around the tensor ops: decorators on every layer and attention call, mask
-building, output records (docs/architecture-core.md, Measurements: forward overhead). This
-module calls the model's own submodules and rotary function in the order the modeling code does
-(`_layers`, the one layer loop), with one of two attentions:
+building, output records (docs/architecture-core.md, Measurements: forward overhead). The owned
+decoder computes the same operations in the same order, its linear layers the backend's modules
+(`Backend.decoders`), with one of two attentions:
 
-- `cache_forward` (one sequence, the model's `DynamicCache`): the model's own attention
-  implementation with the mask it would build, so its logits are bit for bit those of
-  `model(...)` (tested against it on tiny random and real models);
+- `cache_forward` (one sequence, a `DynamicCache`): HF's sdpa attention (`sdpa`) with the mask its
+  model would build, or the exact attention (exact_attention.py), so its logits are bit for bit
+  those of `model(...)` in plain form (tested against it on tiny random and real models);
 - `forward` (the batched engine's slots): every slot's [fresh tokens, draft nodes] packed into one
   row list for the linear layers (no padding) and padded per slot only for attention (a mask per
   slot: its cached positions, causal fresh rows, tree ancestors for draft nodes).
 
-Other architectures, and eager attention, take `model(...)` (`supports`).
+Other architectures, and other attention implementations, take `model(...)` (`supports`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..speculation.draft import Draft
-from ..kernels.exact_attention import exact_attention
-from ..kernels.row_plan import RowPlan
+from ..kernels.exact_attention import exact_attention, sdpa
 from ..speculation.verify import tree_attention_mask
+from .decoder import Decoder
 
 ARCHITECTURES = ("llama", "qwen2")
 LONG_ROWS = 16  # slots with more rows (a prompt being prefilled) attend in a call of their own
 
 
 def supports(model) -> bool:
-    """Whether this module computes exactly what this model's own forward does."""
+    """Whether the owned decoder computes what this model's own forward does: its config asks for
+    nothing the decoder lacks (and the model is not training: no dropout here)."""
     config = model.config
     rope = getattr(config, "rope_parameters", None) or {}
     return (config.model_type in ARCHITECTURES and not model.training
-            and config._attn_implementation == "sdpa"
-            and all(hasattr(model.model.layers[0].mlp, f) for f in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            and getattr(config, "_attn_implementation", None) == "sdpa" and config.hidden_act == "silu"
             and rope.get("rope_type", "default") == "default"
             and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ()))
-
-
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary position embedding of q and k (batch, heads, rows, dim), by the same operations in the
-    same order as the modeling code of ARCHITECTURES, so bit for bit the same."""
-    def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
-
-
-# attend(layer index, attention module, q, k, v) -> the attention's output (1, rows, heads * dim)
-Attend = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _project(plan: RowPlan | None, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return layer(x) if plan is None else plan.project(layer, x)
-
-
-def _layers(model, ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend, plan: RowPlan | None) -> torch.Tensor:
-    """The decoder's layers over ids (1, T), their linear layers in `plan`'s form (None: the
-    model's own): the hidden states before the final norm (1, T, dim)."""
-    body = model.model
-    x = body.embed_tokens(ids)
-    cos, sin = body.rotary_emb(x, position_ids)
-    for i, layer in enumerate(body.layers[: model.config.num_hidden_layers]):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        shape = (*h.shape[:-1], -1, attn.head_dim)
-        q = _project(plan, attn.q_proj, h).view(shape).transpose(1, 2)
-        k = _project(plan, attn.k_proj, h).view(shape).transpose(1, 2)
-        v = _project(plan, attn.v_proj, h).view(shape).transpose(1, 2)
-        q, k = rotary(q, k, cos, sin)
-        x = x + _project(plan, attn.o_proj, attend(i, attn, q, k, v))
-        x = x + _mlp(plan, layer.mlp, layer.post_attention_layernorm(x))
-    return x
-
-
-def _mlp(plan: RowPlan | None, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """The MLP as the modeling code computes it; in blocks of `plan.mlp_rows` rows where the plan
-    has them (a long prefill's intermediates then stay in the CPU's caches)."""
-    step = plan.mlp_rows if plan is not None and plan.mlp_rows else h.shape[1]
-    blocks = [h] if h.shape[1] <= step else [h[:, s: s + step] for s in range(0, h.shape[1], step)]
-    out = [_project(plan, mlp.down_proj, mlp.act_fn(_project(plan, mlp.gate_proj, b)) * _project(plan, mlp.up_proj, b))
-           for b in blocks]
-    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
 
 def causal_mask(past: int, rows: int) -> torch.Tensor | None:
@@ -102,28 +53,30 @@ def causal_mask(past: int, rows: int) -> torch.Tensor | None:
     return (torch.arange(past + rows)[None, :] <= past + torch.arange(rows)[:, None])[None, None]
 
 
-def cache_forward(model, ids: torch.Tensor, cache: DynamicCache, position_ids: torch.Tensor,
-                  attention_mask: torch.Tensor | None, logits_to_keep: int, head=None,
-                  plan: RowPlan | None = None) -> torch.Tensor:
+def cache_forward(decoder: Decoder, ids: torch.Tensor, cache: DynamicCache, position_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None, logits_to_keep: int, block: int, exact: bool = False,
+                  head=None) -> torch.Tensor:
     """ids, position_ids (1, T); attention_mask: a (1, 1, T, past + T) bool mask, or None for causal
     attention. Appends the T tokens' keys and values to `cache`; returns the logits of the last
-    `logits_to_keep` rows, (logits_to_keep, vocab). head: computes the logits from the final
-    hidden states (1, rows, dim) in place of `model.lm_head`. plan: how the rows are computed
-    (None: as `model(...)` computes them)."""
-    implementation = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
-    if plan is not None and plan.attention:
-        implementation = lambda *args, **kw: exact_attention(*args, plan, **kw)  # noqa: E731
+    `logits_to_keep` rows, (logits_to_keep, vocab). block: the first rows, computed as one
+    prefill-like block (the others are draft rows); exact: the attention rounds the draft rows
+    as one-token steps (exact_attention.py). head: computes the logits from the final hidden
+    states (1, rows, dim) in place of the decoder's `lm_head`."""
     if attention_mask is None:
         attention_mask = causal_mask(cache.get_seq_length(), ids.shape[1])
+    memo: dict = {}  # exact attention's row calls, planned once for all layers
 
-    def attend(i, attn, q, k, v):
-        k, v = cache.update(k, v, attn.layer_idx)
-        out, _ = implementation(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling)
+    def attend(i, q, k, v):
+        k, v = cache.update(k, v, i)
+        if exact:
+            out = exact_attention(q, k, v, attention_mask, block, memo, decoder.scaling)
+        else:
+            out = sdpa(q, k, v, attention_mask, decoder.scaling)
         return out.reshape(q.shape[0], q.shape[2], -1).contiguous()
 
-    x = _layers(model, ids, position_ids, attend, plan)
-    hidden = model.model.norm(x)[:, -logits_to_keep:]
-    return (head(hidden) if head else _project(plan, model.lm_head, hidden))[0]
+    x = decoder(ids, position_ids, attend, block)
+    hidden = decoder.norm(x)[:, -logits_to_keep:]
+    return (head(hidden) if head else decoder.lm_head(hidden, block - (ids.shape[1] - logits_to_keep)))[0]
 
 
 @dataclass
@@ -139,10 +92,11 @@ def forward(model, backend, keys: list[torch.Tensor], values: list[torch.Tensor]
             drafts: list[Draft | None], logits_rows: int | None = None, where: list[int] | None = None) -> torch.Tensor:
     """One forward over every slot's [fresh tokens, draft nodes] (`slots[i]`: a `Rows` or a
     `Sequence`), their keys and values written into `keys`/`values` (per layer: slots x heads x
-    positions x dim) at cache slot `where[i]` (default i); the linear layers' kernels are
-    `backend`'s (a `core.backend.Backend`). Returns the logits, slot after slot, of its root (last
+    positions x dim) at cache slot `where[i]` (default i), on `backend`'s engine decoder (a
+    `core.backend.Backend`'s, its linear layers in the engine's forms). Returns the logits, slot after slot, of its root (last
     fresh token) and each draft node (`logits_rows`=1: the root only): (rows, vocab)."""
-    device = model.device
+    decoder = backend.decoders(model).engine
+    device = decoder.device
     where = list(range(len(slots))) if where is None else where
     ids, positions, slot_of_row, write_at, wanted = [], [], [], [], []
     masks, pasts = [], []
@@ -164,12 +118,12 @@ def forward(model, backend, keys: list[torch.Tensor], values: list[torch.Tensor]
             masks.append(torch.ones(f, f, dtype=torch.bool).tril())
     n = len(ids)
     kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
-    share = model.config.num_attention_heads // kv_heads  # query heads per key/value head
-    groups = _attention_groups(masks, pasts, where, device, model.dtype, share)
+    share = decoder.config.num_attention_heads // kv_heads  # query heads per key/value head
+    groups = _attention_groups(masks, pasts, where, device, decoder.dtype, share)
     to_dev = lambda t: t.to(device)  # noqa: E731
     slot_t, write_t = to_dev(torch.tensor(slot_of_row)), to_dev(torch.tensor(write_at))
 
-    def attend(i, attn, xq, xk, xv):
+    def attend(i, xq, xk, xv):
         keys[i][slot_t, :, write_t] = xk[0].transpose(0, 1)
         values[i][slot_t, :, write_t] = xv[0].transpose(0, 1)
         rows = xq[0].transpose(0, 1)  # (n, heads, dim)
@@ -181,14 +135,14 @@ def forward(model, backend, keys: list[torch.Tensor], values: list[torch.Tensor]
             # (docs/architecture-core.md, Measurements: batched attention).
             query = rows[g.pad].view(g.count, g.q, kv_heads, share, head_dim).permute(0, 2, 3, 1, 4)
             o = F.scaled_dot_product_attention(query.reshape(g.count, kv_heads, share * g.q, head_dim), k, v,
-                                               attn_mask=g.mask, scale=attn.scaling)
+                                               attn_mask=g.mask, scale=decoder.scaling)
             o = o.view(g.count, kv_heads, share, g.q, head_dim).permute(0, 3, 1, 2, 4)
             out[g.rows] = o.reshape(g.count * g.q, -1)[g.flat]
         return out[None]
 
-    plan = backend.engine_plan(n)
-    x = _layers(model, to_dev(torch.tensor([ids])), to_dev(torch.tensor([positions])), attend, plan)
-    return _project(plan, model.lm_head, model.model.norm(x[:, to_dev(torch.tensor(wanted))]))[0]
+    block = 0 if backend.engine_linear is not None else n  # the engine's own form: every row alike
+    x = decoder(to_dev(torch.tensor([ids])), to_dev(torch.tensor([positions])), attend, block)
+    return decoder.lm_head(decoder.norm(x[:, to_dev(torch.tensor(wanted))]), block - (n - len(wanted)))[0]
 
 
 @dataclass

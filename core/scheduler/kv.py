@@ -77,11 +77,10 @@ class SlotStore:
             raise ValueError(f"the batched engine runs Llama-family decoders with full attention, not "
                              f"{model.config.model_type!r} ({model.config._attn_implementation})")
         self.model, self.kv_budget_bytes, self.prefix_cache = model, kv_budget_bytes, prefix_cache
-        self.backend = backend or choose_backend(model)
-        config = model.config
-        self.layers = model.model.layers[: config.num_hidden_layers]
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = self.layers[0].self_attn.head_dim
+        self.backend = (backend or choose_backend(model)).loaded(model)  # its decoders built once, here at the latest
+        decoder = self.backend.decoders(model).engine
+        self.layers = decoder.layers
+        self.kv_heads, self.head_dim = decoder.kv_heads, decoder.head_dim
         self.token_bytes = 2 * len(self.layers) * self.kv_heads * self.head_dim * model.dtype.itemsize
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []

@@ -60,5 +60,27 @@ def test_block_after_a_cached_prefix_rounds_like_the_whole_prompts_prefill(dtype
         q = torch.randn(1, 14, end, 64, generator=gen).to(dtype)
         k, v = (torch.randn(1, 2, end, 64, generator=gen).to(dtype) for _ in range(2))
         whole = sdpa_attention_forward(module, q, k, v, None, scaling=0.125)[0]
-        block_out = _prefill_block(module, q[:, :, end - block:], k, v, end - block, {"scaling": 0.125})
+        block_out = _prefill_block(q[:, :, end - block:], k, v, end - block, 0.125)
         assert torch.equal(block_out, whole[:, end - block:]), (trial, end, block)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_heads", [2, 14])
+def test_sdpa_is_hfs_sdpa_attention(dtype, kv_heads):
+    """`sdpa` (the owned decoder's attention) makes the calls HF's sdpa attention makes: bit for bit
+    its output at a prefill, a one-token step (with and without a mask) and rows under a mask."""
+    import types
+
+    from specsuite.core.kernels.exact_attention import sdpa
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = types.SimpleNamespace(is_causal=True, training=False, num_key_value_groups=14 // kv_heads)
+    gen = torch.Generator().manual_seed(2)
+    for rows, past, masked in ((40, 0, False), (1, 70, False), (1, 70, True), (9, 70, True)):
+        q = torch.randn(1, 14, rows, 64, generator=gen).to(dtype)
+        k, v = (torch.randn(1, kv_heads, past + rows, 64, generator=gen).to(dtype) for _ in range(2))
+        mask = torch.rand(1, 1, rows, past + rows, generator=gen) < 0.7 if masked else None
+        if mask is not None:
+            mask[..., 0] = True
+        theirs = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.125)[0]
+        assert torch.equal(sdpa(q, k, v, mask, 0.125), theirs), (rows, past, masked)

@@ -170,7 +170,7 @@ def test_padded_calls_run_inside_and_outside_inference_mode_in_either_order():
 
 
 def test_fp32_forwards_take_the_fast_kernels_and_plain_calls_stay_plain():
-    """In fp32 forwards' plans: 2-4 rows as `fp32_rows`, other counts (a one-token step, a
+    """In fp32 forwards' linear modules: 2-4 rows as `fp32_rows`, other counts (a one-token step, a
     prefill, long drafts) on oneDNN with packed weights, all `F.linear`'s values up to rounding.
     The packed weights (the backend's own) follow in-place changes of the weight and stay out of
     copies of the model."""
@@ -178,9 +178,10 @@ def test_fp32_forwards_take_the_fast_kernels_and_plain_calls_stay_plain():
     layer = torch.nn.Linear(896, 128)
     model = torch.nn.Sequential(layer)
     backend = FP32_CPU.owned()
+    module = backend.module(layer)  # shares the layer's weight
     for rows, block in ((1, 1), (3, 1), (4, 4), (9, 4), (40, 40)):
         x = torch.randn(1, rows, 896, generator=gen)
-        out = backend.plan(block, rows).project(layer, x)
+        out = module(x, block)
         plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
         torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
         if 2 <= rows <= 4:
@@ -191,22 +192,23 @@ def test_fp32_forwards_take_the_fast_kernels_and_plain_calls_stay_plain():
     x = torch.randn(1, 9, 896, generator=gen)
     with torch.no_grad():
         layer.weight.mul_(2)
-    torch.testing.assert_close(backend.plan(9, 9).project(layer, x),
+    torch.testing.assert_close(module(x, 9),
                                torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     twin = copy.deepcopy(model)
     assert torch.equal(twin[0].weight, layer.weight)
 
 
 def test_exact_linear_splits_block_rows_from_draft_rows():
-    """In a plan of (n, total) rows: the n block rows as one call of their own (a prefill), every
-    other row as a one-row call; an lm_head that sees only the last rows counts from the end."""
+    """In a forward of (n block, total) rows: the n block rows as one call of their own (a prefill),
+    every other row as a one-row call; an lm_head that sees only the last rows is called with its
+    block counted from the end (as forward.py does)."""
     gen = torch.Generator().manual_seed(1)
     layer = torch.nn.Linear(896, 4864, bias=False).bfloat16()
     x = torch.randn(1, 50, 896, generator=gen).bfloat16()
     alone = torch.cat([torch.nn.functional.linear(x[:, i: i + 1], layer.weight) for i in range(50)], dim=1)
-    plan = EXACT_BF16.plan(40, 50)
-    out = plan.project(layer, x)
-    tail = plan.project(layer, x[:, -11:])  # logits_to_keep=11: the last block row and the draft rows
+    module = EXACT_BF16.module(layer)
+    out = module(x, 40)
+    tail = module(x[:, -11:], 40 - (50 - 11))  # logits_to_keep=11: the last block row and the draft rows
     assert torch.equal(out[:, :40], torch.nn.functional.linear(x[:, :40], layer.weight))
     assert torch.equal(out[:, 40:], alone[:, 40:])
     assert torch.equal(tail, alone[:, -11:])

@@ -145,9 +145,10 @@ def test_integer_mlp_in_row_blocks_computes_as_in_one(dtype, backend_kind):
     assert base.mlp_rows and base.mlp_rows < 1024  # the backend runs long prefills in blocks
 
     def logits(mlp_rows):
-        plan = replace(base, mlp_rows=mlp_rows).owned().plan(n, n)
+        decoder = replace(base, mlp_rows=mlp_rows).loaded(model).decoders(model).one
         with torch.inference_mode():
-            return cache_forward(model, ids, DynamicCache(config=model.config), torch.arange(n)[None], None, n, plan=plan)
+            return cache_forward(decoder, ids, DynamicCache(config=model.config), torch.arange(n)[None], None, n, n,
+                                 exact=True)
 
     assert torch.equal(logits(16), logits(None)) and torch.equal(logits(50), logits(None))
 

@@ -28,7 +28,7 @@ def test_cache_forward_equals_the_models_own_forward(kind, dtype, monkeypatch):
         cache, logits = DynamicCache(config=model.config), []
         with torch.inference_mode():
             for fresh, draft in steps:
-                # plain: no row plan, the layers as the model computes them
+                # plain: plain linear modules, the layers as the model computes them
                 logits.append(plain_backend(dtype).forward(model, fresh, cache, cache.get_seq_length(), draft))
         caches[lean] = (cache, logits)
     for ours, theirs in zip(caches[True][1], caches[False][1]):
