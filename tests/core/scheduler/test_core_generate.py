@@ -315,17 +315,18 @@ def test_a_near_tie_after_a_cached_prefix_is_decided_by_the_whole_prefill():
         assert (out.stats.cached_prompt_tokens > 0) == reused
 
 
-def test_fp32_near_ties_of_prefill_and_one_token_steps_are_redone_as_plain_decoding():
+def test_fp32_near_ties_of_prefill_and_one_token_steps_are_redone_as_plain_decoding(monkeypatch):
     """In fp32 on the CPU our prefill and one-token steps run on other kernels than plain decoding's
     (exact_linear.fp32_linear): a near-tie there is redone as plain decoding computes it, the first
     token by a plain whole-prompt prefill, later ones by a plain one-token step. In bf16 these
     forwards are plain decoding's own and nothing is redone. (A huge margin makes every row a near-tie.)"""
     model = model_for("llama")
     p = prompts(1, seed=5, lengths=(20, 21))[0]
-    forwards = []  # every forward of the model embeds its tokens once
-    hook = model.model.embed_tokens.register_forward_hook(lambda *a: forwards.append(1))
+    forwards = []  # every forward embeds its tokens once, on our decoder or HF's model alike
+    embedding = torch.nn.functional.embedding
+    monkeypatch.setattr(torch.nn.functional, "embedding", lambda *a, **k: forwards.append(1) or embedding(*a, **k))
     out = generate(model, p, NoDrafter(), max_new_tokens=6, eos_token_id=[], policy=policy(model, tie_margin=1e9))
-    hook.remove()
+    monkeypatch.undo()
     assert out.tokens == hf_greedy(model, p, 6)
     assert out.stats.forward_passes == 2 + 2 * 5 == len(forwards)  # each forward counted once
     assert len(out.stats.accepted) == 1 + 2 * 5 and out.stats.prefill_s <= out.stats.total_s
