@@ -7,7 +7,7 @@ sums in fp32 over the int8 weights converted on the fly. A decode step then stre
 an fp32 weight's bytes. What a drafting backend needs is that a row of a call of any row count
 comes out bit for bit as its one-row call: the kernel computes each row with its own accumulators,
 so nothing in a row depends on the other rows of its call; `weight_int8_runs` checks that once per
-process, at every row count a forward uses, and the backend is refused where it fails. Greedy
+process, at 1..40 rows and at a prefill's row count, and the backend is refused where it fails. Greedy
 output is then identical to this backend's own one-token greedy decoding (not to fp32 greedy:
 the weights and activations are rounded; docs/exactness.md, weight-only int8).
 """
