@@ -24,7 +24,7 @@ of -64..64 cannot (2 x 255 x 64 < 2^15), so such a CPU gets weights of 7 bits an
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -57,20 +57,23 @@ class Int8Weights(PackedWeights):
     the last input quantized, since q, k and v (and gate and up) read the same hidden states. A
     backend owns one (`owned`): nothing is kept on the model."""
 
-    def __init__(self) -> None:
-        super().__init__(_quantized_weight)
-        self._last: tuple | None = None  # (the input, its version, its quantized rows, their scales)
+    def __init__(self, make: Callable | None = None, convert: Callable | None = None) -> None:
+        """make: a weight -> its int8 form (default `_quantized_weight`); convert: rows (m, in) -> what
+        the form's kernel takes of them (default `quantize_rows`; weight_int8.py: bf16 rows)."""
+        super().__init__(make or _quantized_weight)
+        self._convert = convert or quantize_rows
+        self._last: tuple | None = None  # (the input, its version, its converted rows)
 
-    def rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (..., in) -> its int8 rows (m, in) and their fp32 scales (m, 1), reused while x is the
-        same unchanged tensor (q, k and v read one input)."""
+    def rows(self, x: torch.Tensor):
+        """x (..., in) -> its rows converted (int8: int8 rows (m, in) and their fp32 scales (m, 1)),
+        reused while x is the same unchanged tensor (q, k and v read one input)."""
         version = None if x.is_inference() else x._version  # inference tensors keep none
         last = self._last
         if last is not None and last[0] is x and last[1] == version:
-            return last[2], last[3]
-        q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-        self._last = (x, version, q, scale)
-        return q, scale
+            return last[2]
+        rows = self._convert(x.reshape(-1, x.shape[-1]))
+        self._last = (x, version, rows)
+        return rows
 
 
 class Int8Weight(NamedTuple):
@@ -87,15 +90,22 @@ def _quantized_weight(weight: torch.Tensor) -> Int8Weight:
     """In blocks of rows: whole-weight fp32 temporaries of a large output layer made the first int8
     forward slow (docs/architecture-core.md, Measurements: int8 short calls and quantization)."""
     kernel = int8_kernel() or Int8Kernel("onednn")
-    top = kernel.weight_max
+    q, scale = quantize_channels(weight, kernel.weight_max)
+    return _packed(q, scale, kernel.name)
+
+
+def quantize_channels(weight: torch.Tensor, top: int = QMAX,
+                      scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (out, in) -> (int8 values, channel scales (out,) in `scale_dtype`): symmetric per
+    channel, absmax / top, in blocks of QUANTIZE_ROWS rows (no whole-weight fp32 temporary)."""
     w = weight.detach()
-    scale = w.abs().amax(dim=1).float().clamp_(min=1e-12) / top  # a max is exact in any float dtype
+    scale = (w.abs().amax(dim=1).float().clamp_(min=1e-12) / top).to(scale_dtype)  # a max is exact in any float dtype
     q = torch.empty(w.shape, dtype=torch.int8)
     for start in range(0, w.shape[0], QUANTIZE_ROWS):
         rows = slice(start, start + QUANTIZE_ROWS)
         block = w[rows].to(torch.float32, copy=True)  # a copy: scaled in place (an fp32 weight's rows are no copy)
-        q[rows] = block.div_(scale[rows, None]).round_().clamp_(-top, top)  # integers: exact in int8
-    return _packed(q, scale, kernel.name)
+        q[rows] = block.div_(scale[rows, None].float()).round_().clamp_(-top, top)  # integers: exact in int8
+    return q, scale
 
 
 def _packed(q: torch.Tensor, scale: torch.Tensor, kernel: str) -> Int8Weight:

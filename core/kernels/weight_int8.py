@@ -19,10 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .exact_linear import PackedWeights
-
-QMAX = 127
-QUANTIZE_ROWS = 1024  # rows of a weight quantized at a time (fp32 temporaries of a few MB)
+from .int8_linear import Int8Weights, quantize_channels
 
 
 class WeightInt8(NamedTuple):
@@ -32,37 +29,16 @@ class WeightInt8(NamedTuple):
     scale: torch.Tensor
 
 
-class WeightInt8Store(PackedWeights):
-    """The int8 form of each weight a backend's forwards use, made on first use and again when the
-    weight changes (`exact_linear.PackedWeights`' cache); and the last input cast to bf16, since q,
-    k and v (and gate and up) read the same hidden states. A backend owns one: nothing is kept on
-    the model."""
+class WeightInt8Store(Int8Weights):
+    """The int8 form of each weight a backend's forwards use (`quantized_weight`), and the last
+    input cast to bf16 (`Int8Weights`' cache: q, k and v read one input). A backend owns one."""
 
     def __init__(self) -> None:
-        super().__init__(quantized_weight)
-        self._last: tuple | None = None  # (the input, its version, its bf16 rows)
-
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> its rows (m, in) in bf16, reused while x is the same unchanged tensor."""
-        version = None if x.is_inference() else x._version  # inference tensors keep none
-        last = self._last
-        if last is not None and last[0] is x and last[1] == version:
-            return last[2]
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        self._last = (x, version, rows)
-        return rows
+        super().__init__(quantized_weight, lambda rows: rows.to(torch.bfloat16))
 
 
 def quantized_weight(weight: torch.Tensor) -> WeightInt8:
-    """In blocks of rows, so that no whole-weight fp32 temporary is made (a large output layer)."""
-    w = weight.detach()
-    scale = (w.abs().amax(dim=1).float().clamp_(min=1e-12) / QMAX).to(torch.bfloat16)
-    q = torch.empty(w.shape, dtype=torch.int8)
-    for start in range(0, w.shape[0], QUANTIZE_ROWS):
-        rows = slice(start, start + QUANTIZE_ROWS)
-        block = w[rows].to(torch.float32, copy=True)  # a copy: scaled in place
-        q[rows] = block.div_(scale[rows, None].float()).round_().clamp_(-QMAX, QMAX)
-    return WeightInt8(q, scale)
+    return WeightInt8(*quantize_channels(weight, scale_dtype=torch.bfloat16))
 
 
 def weight_int8_call(x: torch.Tensor, weight: WeightInt8) -> torch.Tensor:
