@@ -109,11 +109,15 @@ def curve_problem(points: dict[int, float]) -> str | None:
     return None
 
 
-def costs_dir() -> Path:
-    """Where measured costs are kept: under specsuite's cache (as `specsuite.models.cache_dir`),
-    $SPECSUITE_CACHE, else XDG's."""
+def cache_root() -> Path:
+    """specsuite's cache (as `specsuite.models.cache_dir`): $SPECSUITE_CACHE, else XDG's."""
     root = os.environ.get("SPECSUITE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specsuite"
-    return Path(root).expanduser() / "step_cost"
+    return Path(root).expanduser()
+
+
+def costs_dir() -> Path:
+    """Where measured costs are kept."""
+    return cache_root() / "step_cost"
 
 
 def forget_costs() -> int:
