@@ -24,11 +24,12 @@ whether a prefix cache is lossless.
   (int8_linear.py); integer sums make every row of any call round as a one-token step's, so
   output is identical to int8 greedy decoding, and the weights stream half the bytes of bf16.
   Chosen by "fast" (the apps' default) where it runs and is fast; "auto" keeps the model's own numerics.
-- `weight-int8`: every linear layer with int8 weights and bf16 activations (weight_int8.py); each
-  row computes alike in any call too, so output is identical to this backend's own greedy
-  decoding. Asked for by name only: where int8 is slow (AVX2-only CPUs) its one-row steps are
-  faster than fp32's, but its rows cost more with every row of a call, so drafting decodes slower
-  (docs/exactness.md, weight-only int8).
+- `weight-int8`: every linear layer with int8 weights and fp32 activations (weight_int8.py, our
+  AVX2 kernel); each row computes alike in any call too, so output is identical to this backend's
+  own greedy decoding. Chosen by "fast" for an fp32 model where int8 is not (AVX2-only CPUs) and
+  its verify forwards of 1 to 4 rows cost less than fp32-cpu's (`weight_int8_if_it_pays`): it streams a
+  quarter of fp32's bytes, but its rows cost more with every row of a call (docs/exactness.md,
+  weight-only int8).
 
 Whatever the kind chosen for a bf16 model on the CPU, the batched engine computes every row of
 its forwards on packed weights where oneDNN runs on them (`engine_linear`): batched rows round as
@@ -260,7 +261,7 @@ INT8_MLP_ROWS = 256
 INT8 = Backend("int8", int8_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(PLAIN_ROWS - 1,),
                lossless_prefix_cache=True, engine_linear=int8_rows, mlp_rows=INT8_MLP_ROWS, store=Int8Weights)
 # weight-int8: as int8 (rows alike in any call, attention draft rows as one-row calls, prefix cache
-# lossless, MLP in blocks), with int8 weights and bf16 activations (weight_int8.py). A row costs
+# lossless, MLP in blocks), with int8 weights and fp32 activations (weight_int8.py). A row costs
 # more with every row of a call here, so drafts are capped on its measured costs (`GoodputCap`).
 WEIGHT_INT8 = replace(INT8, name="weight-int8", linear=weight_int8_rows, engine_linear=weight_int8_rows,
                       store=WeightInt8Store)
@@ -289,8 +290,8 @@ def plain_forms(dtype: torch.dtype) -> list[Backend]:
 def choose_backend(model, kind: str = "auto") -> Backend:
     """The backend for `model`: kind "exact" (the exact form for its dtype where one exists),
     "plain", "auto" (exact where affordable, see the module docstring), "int8", "weight-int8", or
-    "fast" (int8 where it runs on this CPU and model and its kernel is fast here, `int8_pays`, else
-    "auto"). Choose once per loaded
+    "fast" (int8 where it runs on this CPU and model and its kernel is fast here, `int8_pays`; else
+    weight-int8 where it pays, `weight_int8_if_it_pays`; else "auto"). Choose once per loaded
     model and pass it on: the measurements it rests on are read from disk, but its packed weights
     and logit screen are made anew for each backend, and so are its decoders of the model."""
     return _choose(model, kind).loaded(model)
@@ -307,6 +308,8 @@ def _choose(model, kind: str) -> Backend:
     cpu = model.device.type == "cpu"
     if kind == "fast":
         kind = "int8" if int8_pays() and integer_fits(model, "int8") else "auto"
+        if kind == "auto" and (backend := weight_int8_if_it_pays(model)) is not None:
+            return backend
     if kind in INTEGER_KINDS:
         if not integer_fits(model, kind):
             raise ValueError(f"the {kind} backend needs a Llama-family model (Llama, Qwen2) in bf16 or fp32 on a CPU "
@@ -335,6 +338,24 @@ def integer_fits(model, kind: str = "int8") -> bool:
     runs = int8_runs if kind == "int8" else weight_int8_runs
     return (model.device.type == "cpu" and llama.supports(model)
             and model.dtype in (torch.bfloat16, torch.float32) and runs())
+
+
+# The row counts of one-sequence decoding's usual verify forwards (a token and short drafts).
+WEIGHT_INT8_PAYS_ROWS = (1, 2, 4)
+
+
+def weight_int8_if_it_pays(model) -> Backend | None:
+    """weight-int8 for an fp32 model where it runs (`integer_fits`) and its verify forwards of each
+    of WEIGHT_INT8_PAYS_ROWS rows cost less than fp32-cpu's (both measured once per machine and
+    model, kept on disk); else None. Only fp32 models: a bf16 one is on a CPU with bf16 kernels,
+    where int8 or the bf16 forms are the fast ones."""
+    if model.dtype != torch.float32 or not integer_fits(model, "weight-int8"):
+        return None
+    backend = WEIGHT_INT8.owned()
+    ours, fp32 = integer_step_cost(model, backend), fp32_step_cost(model)
+    if all(ours(rows) < fp32(rows) for rows in WEIGHT_INT8_PAYS_ROWS):
+        return replace(backend, draft_cost=ours)
+    return None
 
 
 def _bf16_backend(model, kind: str) -> Backend:

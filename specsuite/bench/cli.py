@@ -390,10 +390,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "closer than this (default: per dtype; 0 in bf16 with exact attention)")
     p.add_argument("--backend", choices=KINDS, default="fast",
                    help="how our methods compute verify forwards: fast (the apps' default: int8 where this CPU's "
-                   "int8 kernel sums exactly and is fast, else auto), exact forms, plain multi-row calls with a tie "
+                   "int8 kernel sums exactly and is fast, else weight-int8 for an fp32 model where it is faster, else "
+                   "auto), exact forms, plain multi-row calls with a tie "
                    "guard, auto (exact where they cost at most 15%% more; see `specsuite step-cost`), int8 (every "
                    "linear layer in int8: greedy is int8 greedy's; peers compare every row with it), or weight-int8 "
-                   "(int8 weights, bf16 activations: greedy is its own greedy's); serve-load: int8 and exact start "
+                   "(int8 weights, fp32 activations: greedy is its own greedy's); serve-load: int8 and exact start "
                    "the app with --int8/--exact, the others with its default")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="gec: our methods compute the shared instruction for every sentence, as HF's do")

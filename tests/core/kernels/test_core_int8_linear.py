@@ -1,5 +1,5 @@
 """The integer linear layers and their backends: `int8` (core/kernels/int8_linear.py: int8 weights and
-activations) and `weight-int8` (core/kernels/weight_int8.py: int8 weights, bf16 activations). Every
+activations) and `weight-int8` (core/kernels/weight_int8.py: int8 weights, fp32 activations). Every
 row of a call of any row count comes out bit for bit as its one-row call; `generate()` and the
 batched engine are token for token the backend's own one-token greedy decoding. Where a kernel is
 not exact the backend is refused, and these are visible skips. The whole module runs again with
@@ -160,11 +160,12 @@ def test_int8_is_refused_where_it_cannot_run_as_stated():
         choose_backend(model, "int8")
 
 
-def test_fast_is_int8_where_it_runs_and_the_models_own_numerics_elsewhere(monkeypatch):
+def test_fast_is_int8_where_it_runs_else_weight_int8_where_it_pays_else_the_models_own_numerics(monkeypatch):
     """The apps' default kind: int8 where this CPU's int8 kernel sums exactly, is fast, and the model
-    is one of forward.py's in bf16/fp32; otherwise what "auto" chooses, never weight-int8 (checked
-    on both sides by pretending the kernel checks came out otherwise, so the test means the same
-    on every CPU)."""
+    is one of forward.py's in bf16/fp32; else, for an fp32 model, weight-int8 where its verify
+    forwards of 1, 2 and 4 rows cost less than fp32-cpu's; otherwise what "auto" chooses (checked on
+    every side by pretending the kernel checks and the timings came out otherwise, so the test
+    means the same on every CPU)."""
     from specsuite.core.model import backend as backend_module
 
     fp32, eager = tiny_model("llama"), tiny_model("llama", attn="eager")
@@ -173,7 +174,18 @@ def test_fast_is_int8_where_it_runs_and_the_models_own_numerics_elsewhere(monkey
         assert choose_backend(fp32, "fast").name == "int8"
     monkeypatch.setattr(backend_module, "int8_pays", lambda: False)  # exact, but slow here (an AVX2-only EPYC)
     monkeypatch.setattr(backend_module, "weight_int8_runs", lambda: True)
-    assert choose_backend(fp32, "fast").name == choose_backend(fp32, "auto").name
+    fp32_costs = StepCost({1: 0.40, 2: 0.44, 4: 0.51, 8: 0.68, 16: 1.04, 32: 1.9})
+    monkeypatch.setattr(backend_module, "fp32_step_cost", lambda model: fp32_costs)
+    for ours, chosen in [({1: 0.17, 2: 0.22, 4: 0.33, 8: 0.61, 16: 1.18, 32: 2.3}, "weight-int8"),
+                         ({1: 0.17, 2: 0.22, 4: 0.52, 8: 0.61, 16: 1.18, 32: 2.3}, "fp32-cpu")]:
+        monkeypatch.setattr(backend_module, "integer_step_cost", lambda model, backend: StepCost(ours))
+        fast = choose_backend(fp32, "fast")
+        assert fast.name == chosen and (chosen == "fp32-cpu" or fast.draft_cost == StepCost(ours))
+    assert choose_backend(fp32, "auto").name == "fp32-cpu"
+    bf16 = tiny_model("llama").to(torch.bfloat16)  # on a CPU with bf16 kernels: never weight-int8
+    assert choose_backend(bf16, "fast").name == choose_backend(bf16, "auto").name != "weight-int8"
+    monkeypatch.setattr(backend_module, "weight_int8_runs", lambda: False)
+    assert choose_backend(fp32, "fast").name == "fp32-cpu"
     monkeypatch.setattr(backend_module, "int8_pays", lambda: True)
     monkeypatch.setattr(backend_module, "int8_runs", lambda: False)
     assert choose_backend(fp32, "fast").name == choose_backend(fp32, "auto").name
