@@ -1,9 +1,11 @@
 """Linear layers with int8 weights and fp32 activations, for the `weight-int8` backend (the `fast`
 default where it is the fastest exact backend: AVX2-only CPUs; docs/exactness.md, weight-only int8).
 
-Each weight is quantized once, on first use, by symmetric per-channel scales (absmax / 127, fp32);
-a call's rows go in as fp32 and come out in fp32, each output one dot product over the int8
-weights converted on the fly (weight_int8.c, AVX2 + FMA). A decode step then streams a quarter
+Each weight is quantized once, on first use, by symmetric per-channel scales (absmax / 127, fp32)
+and packed as the kernel reads it (panels of 16 channels, k-major); a call's rows go in as fp32
+and come out in fp32, each output one chain of FMAs over the input in order (weight_int8.c, AVX2
++ FMA: a GEMM micro-kernel, tiles of up to 6 rows x 16 channels in registers; calls of many rows
+convert each panel to fp32 once, which changes no sum). A decode step then streams a quarter
 of an fp32 weight's bytes. What a drafting backend needs is that a row of a call of any row count
 comes out bit for bit as its one-row call: the kernel computes every output in one fixed order,
 whatever the other rows of its call or the thread that takes it; `weight_int8_runs` checks that
@@ -36,10 +38,17 @@ from .int8_linear import Int8Weights, quantize_channels
 
 SOURCE = Path(__file__).with_name("weight_int8.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]  # no -ffast-math: the order is the C's
+# The kernel's version: what its measured step costs are kept under (backend.py, `Backend.cost_key`).
+KERNEL_VERSION = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
+
+
+# The kernel's weight layout (weight_int8.c): panels of PANEL channels, k-major, in groups of GROUP panels.
+PANEL, GROUP = 16, 4
 
 
 class WeightInt8(NamedTuple):
-    """A weight's int8 values (out, in) and its fp32 channel scales (out,)."""
+    """A weight's int8 values packed as the kernel reads them, (panels, in, PANEL) with the channels
+    padded with zeros to whole groups of panels, and its fp32 channel scales (out,)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -54,7 +63,11 @@ class WeightInt8Store(Int8Weights):
 
 
 def quantized_weight(weight: torch.Tensor) -> WeightInt8:
-    return WeightInt8(*quantize_channels(weight, scale_dtype=torch.float32))
+    q, scale = quantize_channels(weight, scale_dtype=torch.float32)
+    (out, k), width = q.shape, PANEL * GROUP
+    padded = torch.zeros(-(-out // width) * width, k, dtype=torch.int8)
+    padded[:out] = q
+    return WeightInt8(padded.view(-1, PANEL, k).transpose(1, 2).contiguous(), scale)
 
 
 def compiler() -> str | None:
@@ -89,7 +102,7 @@ def kernel_library() -> ctypes.CDLL:
 def weight_int8_call(x: torch.Tensor, weight: WeightInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (m, in) contiguous fp32 -> (m, out) fp32: each output its row's sum over the int8 weight,
     times its channel's scale, plus the bias (fp32, or None)."""
-    (m, k), n = x.shape, weight.q.shape[0]
+    (m, k), n = x.shape, weight.scale.shape[0]
     if x.dtype != torch.float32 or not x.is_contiguous() or k != weight.q.shape[1]:
         raise ValueError(f"weight-int8 takes contiguous fp32 rows of {weight.q.shape[1]}, not {x.dtype} {tuple(x.shape)}")
     y = torch.empty(m, n, dtype=torch.float32)

@@ -59,7 +59,7 @@ from ..kernels.exact_linear import (FP32_FORMS, Fp32Forms, FP32_ROW_BUCKETS, PLA
                                     fp32_linear, packed_bf16_runs, packed_rows, short_call_rows)
 from ..kernels.int8_linear import Int8Weights, int8_kernel, int8_pays, int8_rows, int8_runs
 from ..kernels.logit_screen import LogitScreen
-from ..kernels.weight_int8 import WeightInt8Store, weight_int8_rows, weight_int8_runs
+from ..kernels.weight_int8 import KERNEL_VERSION as WEIGHT_INT8_KERNEL, WeightInt8Store, weight_int8_rows, weight_int8_runs
 from ..kernels.linear import FormLinear
 from .decoder import Decoder, Linear
 from ..speculation.verify import tree_attention_mask
@@ -134,6 +134,12 @@ class Backend:
         if self.packed is not None or (self.linear is None and self.engine_linear is None):
             return self
         return replace(self, packed=self.store())
+
+    @property
+    def cost_key(self) -> str:
+        """What its measured step costs are kept on disk under: the name, with our kernel's version
+        for weight-int8 (a changed kernel makes the costs timed on the old one stale)."""
+        return f"{self.name} {WEIGHT_INT8_KERNEL}" if self.name == "weight-int8" else self.name
 
     @property
     def policy(self) -> DraftPolicy:
@@ -372,7 +378,7 @@ def _measured(model, measure: str, backends: list[Backend], rows: list[int]) -> 
     """`forward_times` of `backends` (reps 2, alternating): {name: {rows: s}}, each backend's kept
     on disk as a `StepCost` per machine and model (`cost_file` of `measure`), checked and re-timed
     as `calibration.calibrated` says."""
-    paths = {b.name: cost_file(model, measure=f"{measure}:{b.name}") for b in backends}
+    paths = {b.name: cost_file(model, measure=f"{measure}:{b.cost_key}") for b in backends}
     owned = {b.name: b.loaded(model) for b in backends}  # their packed copies and decoders go with them
 
     costs = calibrated(paths, rows, lambda rows, reps: forward_times(model, list(owned.values()), rows, reps=reps),

@@ -148,7 +148,7 @@ def slot_step_cost(store, batch_size: int, rows: Iterable[int] = (1, 2, 4, 8, 16
     rows = sorted(set(rows))
     # Versioned, so that a change to how batches compute makes older curves stale
     # (docs/architecture-core.md, Measurements: cost file versions).
-    path = cost_file(store.model, cache_dir, measure=f"engine v2:{store.backend.name}")
+    path = cost_file(store.model, cache_dir, measure=f"engine v2:{store.backend.cost_key}")
     vocab = min(store.model.config.vocab_size, 32000)
     gen = torch.Generator().manual_seed(0)
     context, most = 64, 32
