@@ -320,8 +320,7 @@ def _choose(model, kind: str) -> Backend:
         if not integer_fits(model, kind):
             raise ValueError(f"the {kind} backend needs a Llama-family model (Llama, Qwen2) in bf16 or fp32 on a CPU "
                              f"where its kernel {INTEGER_KINDS[kind][1]}")
-        backend = INTEGER_KINDS[kind][0].owned()  # measured on its own quantized weights: quantized once
-        return replace(backend, draft_cost=integer_step_cost(model, backend))
+        return _integer_backend(model, kind)
     if kind == "plain" or not cpu or not llama.supports(model) or model.dtype not in (torch.bfloat16, torch.float32):
         return plain_backend(model.dtype)
     if model.dtype == torch.float32:
@@ -357,11 +356,15 @@ def weight_int8_if_it_pays(model) -> Backend | None:
     where int8 or the bf16 forms are the fast ones."""
     if model.dtype != torch.float32 or not integer_fits(model, "weight-int8"):
         return None
-    backend = WEIGHT_INT8.owned()
-    ours, fp32 = integer_step_cost(model, backend), fp32_step_cost(model)
-    if all(ours(rows) < fp32(rows) for rows in WEIGHT_INT8_PAYS_ROWS):
-        return replace(backend, draft_cost=ours)
-    return None
+    backend, fp32 = _integer_backend(model, "weight-int8"), fp32_step_cost(model)
+    return backend if all(backend.draft_cost(rows) < fp32(rows) for rows in WEIGHT_INT8_PAYS_ROWS) else None
+
+
+def _integer_backend(model, kind: str) -> Backend:
+    """The `kind` integer backend with its own store (its costs are measured on its own quantized
+    weights: quantized once), its drafts capped on those costs."""
+    backend = INTEGER_KINDS[kind][0].owned()
+    return replace(backend, draft_cost=integer_step_cost(model, backend))
 
 
 def _bf16_backend(model, kind: str) -> Backend:
