@@ -82,7 +82,7 @@ def kernel_library() -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) to build the weight-int8 kernel")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha1("\n".join([SOURCE.read_text(), cc, version, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha1("\n".join([KERNEL_VERSION, cc, version, *FLAGS]).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"weight_int8-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

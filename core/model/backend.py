@@ -124,6 +124,7 @@ class Backend:
     mlp_rows: int | None = None
     packed: PackedWeights | None = field(default=None, compare=False, repr=False)
     store: Callable = field(default=PackedWeights, compare=False, repr=False)
+    kernel: str = ""  # the version of our own kernel it runs (weight_int8.c), "" where it runs ATen's
     # Set by `loaded`. A copy changed by `replace` may carry them over; `decoders` uses them only
     # while they were built in this backend's forms (`Decoders.forms`), else builds its own.
     loaded_decoders: Decoders | None = field(default=None, compare=False, repr=False)
@@ -137,9 +138,9 @@ class Backend:
 
     @property
     def cost_key(self) -> str:
-        """What its measured step costs are kept on disk under: the name, with our kernel's version
-        for weight-int8 (a changed kernel makes the costs timed on the old one stale)."""
-        return f"{self.name} {WEIGHT_INT8_KERNEL}" if self.name == "weight-int8" else self.name
+        """What its measured step costs are kept on disk under: the name, with the version of our own
+        kernel where it runs one (a changed kernel makes the costs timed on the old one stale)."""
+        return f"{self.name} {self.kernel}" if self.kernel else self.name
 
     @property
     def policy(self) -> DraftPolicy:
@@ -270,7 +271,7 @@ INT8 = Backend("int8", int8_rows, exact_rows=True, tie_margin=0.0, draft_sizes=(
 # lossless, MLP in blocks), with int8 weights and fp32 activations (weight_int8.py). A row costs
 # more with every row of a call here, so drafts are capped on its measured costs (`GoodputCap`).
 WEIGHT_INT8 = replace(INT8, name="weight-int8", linear=weight_int8_rows, engine_linear=weight_int8_rows,
-                      store=WeightInt8Store)
+                      store=WeightInt8Store, kernel=WEIGHT_INT8_KERNEL)
 PLAIN = Backend("plain", None, exact_rows=False, tie_margin=0.0)
 PLAIN_TIE_MARGIN = {torch.float32: 1e-3}
 # plain-packed: where the exact forms cost too much (e.g. without AMX), plain calls still repack the
