@@ -6,6 +6,7 @@ choice of "auto" in bf16 is checked against cost files written here, not against
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -20,6 +21,19 @@ from specsuite.core.kernels.exact_linear import FP32_FORMS, FP32_ROW_BUCKETS, pa
 from specsuite.core.speculation.draft_budget import StepCost, cost_file
 from specsuite.core.scheduler.engine import BatchEngine, Request
 from conftest import OracleTreeDrafter, hf_greedy, prompts, tiny_model
+
+
+def timed_until_kept(measure, paths, rows: list[int], tries: int = 5):
+    """`measure()` (real timings, kept on disk only once their repeats agree: `calibration.calibrated`,
+    whose keeping and refusing test_core_calibration checks on a simulated machine) called until every
+    curve at `paths` is kept: a busy moment (another process on a CI machine) keeps nothing, and the
+    next call times again."""
+    for _ in range(tries):
+        result = measure()
+        if all(StepCost.load(path, rows) is not None for path in paths):
+            return result
+        time.sleep(2)
+    pytest.fail(f"the machine was busy through {tries} timings: no curve kept")
 
 
 def test_each_dtype_and_attention_gets_its_kind():
@@ -49,8 +63,8 @@ def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monk
     names = ["exact-bf16", "plain"] + (["plain-packed"] if packed_bf16_runs() else [])
     paths = {name: cost_file(model, measure=f"{EXACT_VS_PLAIN}:{name}") for name in names}
     assert not any(path.exists() for path in paths.values())
-    exact_is_affordable(model)  # measured now (every form, alternating) and kept
     rows = list(AFFORDABILITY_ROWS)
+    timed_until_kept(lambda: exact_is_affordable(model), paths.values(), rows)  # every form, alternating
     assert all(StepCost.load(path, rows).rows == rows for path in paths.values())
     for exact_s, packed_s, expected in ((1.10, 0.5, "exact-bf16"), (2.0, 1.5, "plain"), (2.0, 0.5, "plain-packed")):
         for name, secs in zip(names, (exact_s, 1.0, packed_s)):
@@ -68,8 +82,8 @@ def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, mon
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
     model = tiny_model("qwen2", max_positions=512)
     paths = {form: cost_file(model, measure=f"fp32-forms:{form}") for form in FP32_FORMS}
-    assert len(fp32_forms(model)) == len(FP32_ROW_BUCKETS)
-    assert all(StepCost.load(path, list(FP32_ROW_BUCKETS)) is not None for path in paths.values())  # every form kept
+    rows = list(FP32_ROW_BUCKETS)
+    assert len(timed_until_kept(lambda: fp32_forms(model), paths.values(), rows)) == len(rows)  # every form kept
     fastest = {1: "plain", 2: "plain", 4: "columns", 8: "packed", 16: "packed", 32: "plain"}
 
     def write_fastest() -> None:
@@ -80,8 +94,7 @@ def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, mon
     write_fastest()
     assert fp32_forms(model) == tuple(fastest[r] for r in FP32_ROW_BUCKETS)
     StepCost({1: 1.0}).save(paths["plain"])  # other row counts
-    assert len(fp32_forms(model)) == len(FP32_ROW_BUCKETS)  # measured again
-    assert StepCost.load(paths["plain"], list(FP32_ROW_BUCKETS)) is not None
+    assert len(timed_until_kept(lambda: fp32_forms(model), paths.values(), rows)) == len(rows)  # measured again
     write_fastest()
     backend = choose_backend(model, "auto")
     assert backend.name == "fp32-cpu" and backend.linear.forms == fp32_forms(model)
