@@ -19,6 +19,9 @@
 #define PANEL_ROWS 96  /* rows whose activations one pass over the weights shares (they stay in cache) */
 #define CONVERT_ROWS 12 /* calls of more rows convert each panel to fp32 once, then run fp32 tiles on it */
 
+/* The layout the caller packs the weights in (weight_int8.py reads these, so it is written once). */
+const long weight_int8_panel = LANES, weight_int8_group = GROUP;
+
 static inline __m256 low8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 static inline __m256 high8(__m128i v) { return low8(_mm_unpackhi_epi64(v, v)); }
 

@@ -42,13 +42,10 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]  # no -ffast-
 KERNEL_VERSION = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
 
 
-# The kernel's weight layout (weight_int8.c): panels of PANEL channels, k-major, in groups of GROUP panels.
-PANEL, GROUP = 16, 4
-
-
 class WeightInt8(NamedTuple):
-    """A weight's int8 values packed as the kernel reads them, (panels, in, PANEL) with the channels
-    padded with zeros to whole groups of panels, and its fp32 channel scales (out,)."""
+    """A weight's int8 values packed as the kernel reads them (`kernel_layout`), (panels, in, a
+    panel's channels) with the channels padded with zeros to whole groups of panels, and its fp32
+    channel scales (out,)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -62,12 +59,21 @@ class WeightInt8Store(Int8Weights):
         super().__init__(quantized_weight, lambda rows: rows.to(torch.float32).contiguous())
 
 
+@functools.cache
+def kernel_layout() -> tuple[int, int]:
+    """The weight layout the kernel reads (weight_int8.c): panels of `panel` channels, k-major, in
+    groups of `group` panels."""
+    library = kernel_library()
+    return ctypes.c_long.in_dll(library, "weight_int8_panel").value, ctypes.c_long.in_dll(library, "weight_int8_group").value
+
+
 def quantized_weight(weight: torch.Tensor) -> WeightInt8:
     q, scale = quantize_channels(weight, scale_dtype=torch.float32)
-    (out, k), width = q.shape, PANEL * GROUP
+    (panel, group), (out, k) = kernel_layout(), q.shape
+    width = panel * group
     padded = torch.zeros(-(-out // width) * width, k, dtype=torch.int8)
     padded[:out] = q
-    return WeightInt8(padded.view(-1, PANEL, k).transpose(1, 2).contiguous(), scale)
+    return WeightInt8(padded.view(-1, panel, k).transpose(1, 2).contiguous(), scale)
 
 
 def compiler() -> str | None:
