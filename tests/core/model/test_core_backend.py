@@ -6,7 +6,6 @@ choice of "auto" in bf16 is checked against cost files written here, not against
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -23,17 +22,15 @@ from specsuite.core.scheduler.engine import BatchEngine, Request
 from conftest import OracleTreeDrafter, hf_greedy, prompts, tiny_model
 
 
-def timed_until_kept(measure, paths, rows: list[int], tries: int = 5):
-    """`measure()` (real timings, kept on disk only once their repeats agree: `calibration.calibrated`,
-    whose keeping and refusing test_core_calibration checks on a simulated machine) called until every
-    curve at `paths` is kept: a busy moment (another process on a CI machine) keeps nothing, and the
-    next call times again."""
-    for _ in range(tries):
-        result = measure()
-        if all(StepCost.load(path, rows) is not None for path in paths):
-            return result
-        time.sleep(2)
-    pytest.fail(f"the machine was busy through {tries} timings: no curve kept")
+def timed(measure, capsys):
+    """`measure()`, which must time real forwards (`calibration.calibrated` says so on stderr). Whether
+    it keeps the curves depends on how quiet the machine is (a busy CI machine keeps nothing, as
+    meant), so that is not asserted here: keeping and refusing are tested on a simulated machine in
+    test_core_calibration.py."""
+    capsys.readouterr()
+    result = measure()
+    assert "forwards of this model on this machine" in capsys.readouterr().err
+    return result
 
 
 def test_each_dtype_and_attention_gets_its_kind():
@@ -53,8 +50,8 @@ def test_each_dtype_and_attention_gets_its_kind():
         choose_backend(fp32, "turbo")
 
 
-def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monkeypatch):
-    """The measured costs are kept on disk; "auto" takes the exact forms while they cost at most
+def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monkeypatch, capsys):
+    """The forms are timed, and the costs kept on disk are what "auto" reads: it takes the exact forms while they cost at most
     15% more than plain forwards, else the cheaper plain form (`plain-packed` only where oneDNN
     runs bf16 calls on packed weights)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -64,8 +61,7 @@ def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monk
     paths = {name: cost_file(model, measure=f"{EXACT_VS_PLAIN}:{name}") for name in names}
     assert not any(path.exists() for path in paths.values())
     rows = list(AFFORDABILITY_ROWS)
-    timed_until_kept(lambda: exact_is_affordable(model), paths.values(), rows)  # every form, alternating
-    assert all(StepCost.load(path, rows).rows == rows for path in paths.values())
+    timed(lambda: exact_is_affordable(model), capsys)  # every form, alternating
     for exact_s, packed_s, expected in ((1.10, 0.5, "exact-bf16"), (2.0, 1.5, "plain"), (2.0, 0.5, "plain-packed")):
         for name, secs in zip(names, (exact_s, 1.0, packed_s)):
             StepCost(dict.fromkeys(rows, secs)).save(paths[name])
@@ -75,15 +71,15 @@ def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monk
         assert chosen.engine_linear is (packed_rows if packed_bf16_runs() else None)  # batches: packed, any kind
 
 
-def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, monkeypatch):
-    """The fp32 forms are timed once (every form, alternating) and kept on disk; each row count
+def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, monkeypatch, capsys):
+    """The fp32 forms are timed (every form, alternating), their costs kept on disk; each row count
     then takes the form that was fastest for its bucket, and every form gives greedy's output."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
     model = tiny_model("qwen2", max_positions=512)
     paths = {form: cost_file(model, measure=f"fp32-forms:{form}") for form in FP32_FORMS}
     rows = list(FP32_ROW_BUCKETS)
-    assert len(timed_until_kept(lambda: fp32_forms(model), paths.values(), rows)) == len(rows)  # every form kept
+    assert len(timed(lambda: fp32_forms(model), capsys)) == len(rows)
     fastest = {1: "plain", 2: "plain", 4: "columns", 8: "packed", 16: "packed", 32: "plain"}
 
     def write_fastest() -> None:
@@ -94,7 +90,7 @@ def test_fp32_takes_the_fastest_measured_kernel_form_per_row_count(tmp_path, mon
     write_fastest()
     assert fp32_forms(model) == tuple(fastest[r] for r in FP32_ROW_BUCKETS)
     StepCost({1: 1.0}).save(paths["plain"])  # other row counts
-    assert len(timed_until_kept(lambda: fp32_forms(model), paths.values(), rows)) == len(rows)  # measured again
+    assert len(timed(lambda: fp32_forms(model), capsys)) == len(rows)  # a curve of other row counts: timed again
     write_fastest()
     backend = choose_backend(model, "auto")
     assert backend.name == "fp32-cpu" and backend.linear.forms == fp32_forms(model)
