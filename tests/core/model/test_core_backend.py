@@ -51,9 +51,9 @@ def test_each_dtype_and_attention_gets_its_kind():
 
 
 def test_auto_in_bf16_keeps_the_exact_forms_only_where_affordable(tmp_path, monkeypatch, capsys):
-    """The forms are timed, and the costs kept on disk are what "auto" reads: it takes the exact forms while they cost at most
-    15% more than plain forwards, else the cheaper plain form (`plain-packed` only where oneDNN
-    runs bf16 calls on packed weights)."""
+    """The forms are timed, and the costs kept on disk are what "auto" reads: it takes the exact
+    forms while they cost at most 15% more than plain forwards, else the cheaper plain form
+    (`plain-packed` only where oneDNN runs bf16 calls on packed weights)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SPECSUITE_NO_COST_CACHE", raising=False)
     model = tiny_model("qwen2").to(torch.bfloat16)
