@@ -20,7 +20,7 @@ _EXPORTS = {
     "ChunkSettings": "chunking", "Chunker": "chunking", "chunk_document": "chunking",
     "Embedder": "embedder",
     "PassageIndex": "index", "IndexSettings": "index", "AddStats": "index", "IndexLoadError": "index",
-    "CorruptIndexError": "index", "EmbeddingModelMismatchError": "index", "index_exists": "index",
+    "CorruptIndexError": "index", "EmbeddingModelMismatchError": "index", "index_exists": "index", "relevant": "index",
     "parse_specbench_rag": "specbench", "load_specbench_rag": "specbench",
 }
 __all__ = sorted(_EXPORTS)

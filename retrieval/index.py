@@ -33,6 +33,18 @@ INDEX_FILE, PASSAGES_FILE, MANIFEST_FILE = "index.faiss", "passages.jsonl", "man
 INDEX_TYPES = ("flat", "hnsw", "ivf")
 
 
+def relevant(hits: Sequence[tuple[Passage, float]], min_relevance: float) -> list[tuple[Passage, float]]:
+    """The hits (passage, score) scoring at least `min_relevance` times the best one's score, in
+    their order; all of them when `min_relevance` is 0 or the best does not score above 0 (then
+    no passage stands out). A question about one topic of a mixed corpus retrieves its own
+    passages and k - 2 off-topic ones: dropped, they cost no prefill (an answer's main cost on a
+    CPU) and cannot distract the model."""
+    best = max((score for _, score in hits), default=0.0)
+    if min_relevance <= 0 or best <= 0:
+        return list(hits)
+    return [(p, score) for p, score in hits if score >= min_relevance * best]
+
+
 class IndexLoadError(RuntimeError):
     """A folder cannot be loaded as a passage index."""
 

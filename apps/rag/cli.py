@@ -17,7 +17,7 @@ from specsuite.apps import limits
 from specsuite.models import DEFAULT_MODEL, cache_dir
 from specsuite.retrieval import cli as retrieval_cli
 
-from . import DRAFTERS
+from . import DEFAULT_MIN_RELEVANCE, DRAFTERS
 
 DEMO_CORPUS = Path(__file__).resolve().parents[2] / "demos" / "corpus"
 DEMO_QUESTION = "Who were the crew of Apollo 11, and what did each of them do?"
@@ -34,7 +34,8 @@ def _load_qa(args: argparse.Namespace, index_dir: str | Path):
                  prefix_cache_bytes=0 if getattr(args, "no_prefix_cache", False) else None,
                  max_new_tokens=args.max_new_tokens, max_question_tokens=args.max_question_tokens,
                  batch_size=getattr(args, "serve_batch_size", 1), draft_model=args.draft_model,
-                 backend=backend_kind(args), adapter=args.adapter, dtype=args.dtype)
+                 backend=backend_kind(args), adapter=args.adapter, dtype=args.dtype,
+                 min_relevance=args.min_relevance)
 
 
 def backend_kind(args: argparse.Namespace) -> str:
@@ -140,6 +141,23 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _relevance(text: str) -> float:
+    """argparse type of --min-relevance: a share from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    return value
+
+
+def _retrieval_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-relevance", type=_relevance, default=DEFAULT_MIN_RELEVANCE, metavar="R",
+                   help="of the k retrieved passages, answer from those scoring at least R times the best one's "
+                   f"(default {DEFAULT_MIN_RELEVANCE:g}: off-topic passages cost prefill time; 0: all k)")
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset or local model folder (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: bf16 where the CPU supports it")
@@ -171,6 +189,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("question")
     a.add_argument("-k", type=retrieval_cli._positive_int, default=5, help="passages to retrieve (default 5)")
     _model_options(a)
+    _retrieval_options(a)
     a.add_argument("--no-prefix-cache", action="store_true", help="do not reuse prompt KV across calls")
     a.set_defaults(func=_ask)
 
@@ -183,6 +202,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--time-budget", type=limits.time_budget_arg, default=limits.DEFAULT_TIME_BUDGET_S, metavar="S",
                    help="seconds a request may take, waiting included (default 180; 0: no limit)")
     _model_options(u)
+    _retrieval_options(u)
     u.add_argument("--no-prefix-cache", action="store_true", help="do not reuse prompt KV across questions")
     u.add_argument("--batch-size", dest="serve_batch_size", type=retrieval_cli._positive_int, default=8,
                    help="concurrent requests decoded together in one batch (default 8; 1: one at a time, "
@@ -200,11 +220,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--batch-size", type=retrieval_cli._positive_int, default=16,
                    help="questions decoded together (default 16)")
     _model_options(b)
+    _retrieval_options(b)
     b.set_defaults(func=_answer)
 
     d = rag_sub.add_parser("demo", help="index demos/corpus (once) and answer a sample question")
     d.add_argument("question", nargs="?", default=DEMO_QUESTION)
     d.add_argument("-k", type=retrieval_cli._positive_int, default=3, help="passages to retrieve (default 3)")
     _model_options(d)
+    _retrieval_options(d)
     d.add_argument("--rebuild", action="store_true", help="re-index the demo corpus")
     d.set_defaults(func=_demo)

@@ -39,7 +39,7 @@ from .prompt import rag_prompt_ids
 if TYPE_CHECKING:
     from specsuite.retrieval import Passage, PassageIndex
 
-from . import DRAFTERS
+from . import DEFAULT_MIN_RELEVANCE, DRAFTERS
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 PassageLike = Union["Passage", str]
 Scored = tuple[PassageLike, Union[float, None]]  # a passage and its retrieval score (None: given by the caller)
@@ -208,12 +208,15 @@ class RagQA:
         decoding's, not the model's own).
     adapter: "auto" (the RAG adapter shipped for this preset, if any), "none" (the base model),
         or a folder written by `specsuite train rag`; merged into the weights at load.
+    min_relevance: `ask` keeps, of its k retrieved passages, those scoring at least this share of
+        the best one's (default 0.5; 0: all k). Caller-given passages are always all used.
     """
 
     def __init__(self, index_dir: str | None = None, model: str = DEFAULT_MODEL, drafter: str = "reference",
                  prefix_cache_bytes: int | None = None, max_new_tokens: int = 256, dtype: str | None = None,
                  max_question_tokens: int | None = None, batch_size: int = 1, draft_model: str | None = None,
-                 backend: str = "fast", adapter: str | None = "auto") -> None:
+                 backend: str = "fast", adapter: str | None = "auto",
+                 min_relevance: float = DEFAULT_MIN_RELEVANCE) -> None:
         index = None
         if index_dir is not None:
             from specsuite.retrieval import PassageIndex
@@ -222,28 +225,31 @@ class RagQA:
         loaded, tokenizer = load_model(model, dtype=dtype, adapter=adapter, task="rag")
         small = load_model(draft_model, dtype=loaded.dtype)[0] if draft_model else None
         self._setup(loaded, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens,
-                    batch_size, small, choose_backend(loaded, backend))
+                    batch_size, small, choose_backend(loaded, backend), min_relevance)
 
     @classmethod
     def from_loaded(cls, model, tokenizer, index: "PassageIndex | None" = None, drafter: str = "reference",
                     prefix_cache_bytes: int | None = None, max_new_tokens: int = 256,
                     max_question_tokens: int | None = None, batch_size: int = 1, draft_model=None,
-                    backend: Backend | str | None = None) -> "RagQA":
+                    backend: Backend | str | None = None, min_relevance: float = DEFAULT_MIN_RELEVANCE) -> "RagQA":
         """A RagQA over an already loaded model, tokenizer, index and draft model (tests, notebooks);
         backend: one already chosen for the model, or a kind for `choose_backend` (None: "auto")."""
         qa = cls.__new__(cls)
         qa._setup(model, tokenizer, index, drafter, prefix_cache_bytes, max_new_tokens, max_question_tokens,
                   batch_size, draft_model,
-                  backend if isinstance(backend, Backend) else choose_backend(model, backend or "auto"))
+                  backend if isinstance(backend, Backend) else choose_backend(model, backend or "auto"), min_relevance)
         return qa
 
     def _setup(self, model, tokenizer, index, drafter: str, prefix_cache_bytes: int | None,
                max_new_tokens: int, max_question_tokens: int | None, batch_size: int, draft_model,
-               backend: Backend) -> None:
+               backend: Backend, min_relevance: float) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if not 0 <= min_relevance <= 1:
+            raise ValueError(f"min_relevance must be between 0 and 1, got {min_relevance!r}")
+        self.min_relevance = min_relevance
         # batch_size > 1: concurrent calls join one running batch (BatchServer) instead of taking
         # turns; each answer is then greedy up to the rounding of batched rows (a near-tie may flip).
         self.batch_size = batch_size
@@ -274,12 +280,15 @@ class RagQA:
         return question, None if k is None else check_k(k)
 
     def retrieve(self, question: str, k: int = 5) -> list[tuple["Passage", float]]:
+        """The k passages nearest to the question, best first, less those under `min_relevance`."""
+        from specsuite.retrieval import relevant
+
         if self.index is None:
             raise ValueError("this RagQA has no passage index; pass passages to answer() instead")
         # One search at a time: concurrent callers' searches would each run the embedding model's
         # and faiss's threads on the same cores as the batch's forward, many times oversubscribed.
         with self._retrieve_lock:
-            return self.index.search(question, k)
+            return relevant(self.index.search(question, k), self.min_relevance)
 
     def make_drafter(self, passages: Sequence[str]) -> Drafter:
         if self.drafter == "reference":
@@ -381,7 +390,8 @@ class RagQA:
         return self._complete(question, _as_scored(passages), {}, deadline)
 
     def ask(self, question: str, k: int = 5, *, time_budget_s: float | None = None) -> Answer:
-        """Retrieve the `k` passages nearest to the question, then answer from them."""
+        """Retrieve the `k` passages nearest to the question (less those under `min_relevance`),
+        then answer from them."""
         deadline = Deadline(time_budget_s)
         question, k = self.validate(question, k)
         return self._complete(question, *self._retrieve_timed(question, k), deadline)

@@ -48,6 +48,12 @@ LEARN_RATE = 0.2
 # the curve (measured on a quiet machine: a step can run slower, not faster), and one odd step
 # cannot swing admission far.
 MIN_SLOWDOWN, MAX_SLOWDOWN = 1.0, 20.0
+# A request that finds the engine idle waits for the rest of its burst before admission (as long
+# as the next one comes within BURST_GAP_S, at most BURST_WINDOW_S): callers who arrive together
+# are then admitted cheapest prefill first, not whichever came first (a long prefill taken alone
+# at once can leave no time for the others); a lone request waits BURST_GAP_S. The gap spans one
+# RAG caller's retrieval (callers retrieve one at a time, `RagQA.retrieve`).
+BURST_GAP_S, BURST_WINDOW_S = 0.05, 0.5
 # Seconds with nothing to decode after which the engine's KV cache is freed (a server's cache grows
 # with its busiest moment; bursts closer together keep it).
 IDLE_SHRINK_S = 30.0
@@ -110,9 +116,10 @@ class BatchServer:
     any thread; a request joins the batch at a step with a free slot instead of waiting for the
     others to finish. The engine runs in a daemon thread, started on the first request."""
 
-    def __init__(self, engine: BatchEngine, max_prompt_tokens: int = MAX_PROMPT_TOKENS_PER_STEP) -> None:
+    def __init__(self, engine: BatchEngine, max_prompt_tokens: int = MAX_PROMPT_TOKENS_PER_STEP,
+                 burst_gap_s: float = BURST_GAP_S) -> None:
         self.engine = engine
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens, self.burst_gap_s = max_prompt_tokens, burst_gap_s
         # seconds of an engine step by its rows: the engine's own curve, else the measured one
         self.cost = engine.budget.cost if engine.budget is not None else step_cost(engine.model, engine.store.backend)
         self.steps, self.rows = float(PRIOR_STEPS), 1.0  # per request; per sequence and step
@@ -166,7 +173,7 @@ class BatchServer:
                     self._pending.remove(item)
                     _fail(future, deadline.queued())
                     continue
-                plan = self._plan(request, rows)
+                plan = self._plan(request, rows, prefilled_with=admitted)
                 if admitted and admitted + plan.prompt_rows > self.max_prompt_tokens:
                     continue  # over this step's prompt rows: a step of two long prefills costs more than two steps
                 alone = plan.finish_alone()
@@ -189,7 +196,9 @@ class BatchServer:
 
     def _collect(self) -> None:
         """Move queued requests to `_pending`; while nothing is decoding or pending, wait for one
-        (giving the KV cache's memory back after IDLE_SHRINK_S of nothing)."""
+        (giving the KV cache's memory back after IDLE_SHRINK_S of nothing), then for the rest of
+        its burst (`burst_gap_s`, BURST_WINDOW_S)."""
+        idle = not (self._pending or self.engine.has_unfinished_requests())
         while True:
             try:
                 while True:
@@ -197,11 +206,17 @@ class BatchServer:
             except queue.Empty:
                 pass
             if self._pending or self.engine.has_unfinished_requests():
-                return
+                break
             try:
                 self._pending.append(self._queue.get(timeout=IDLE_SHRINK_S))
             except queue.Empty:
                 self.engine.store.shrink()
+        end = time.monotonic() + BURST_WINDOW_S
+        while idle and self.burst_gap_s > 0 and (left := end - time.monotonic()) > 0:
+            try:
+                self._pending.append(self._queue.get(timeout=min(self.burst_gap_s, left)))
+            except queue.Empty:
+                return
 
     def _admission_order(self) -> list[tuple[tuple[Request, Future, Deadline], int]]:
         """The pending requests, each with the rows its prefill computes (`_prompt_rows`, worked
@@ -242,11 +257,12 @@ class BatchServer:
         else:
             self.step_slowdown = _toward(self.step_slowdown, seconds / (prefill + step))
 
-    def _plan(self, request: Request, prompt_rows: int | None = None) -> _Plan:
-        """What admitting `request` now would do; prompt_rows: its `_prompt_rows`, where known."""
+    def _plan(self, request: Request, prompt_rows: int | None = None, prefilled_with: int = 0) -> _Plan:
+        """What admitting `request` now would do; prompt_rows: its `_prompt_rows`, where known;
+        prefilled_with: the prompt rows admitted before it to this step's prefill."""
         rows = self._prompt_rows(request) if prompt_rows is None else prompt_rows
         return _Plan(self.cost, request, self.steps, self.rows, list(self._running.values()),
-                     self.engine.forward_passes, rows, self.step_slowdown, self.prefill_slowdown)
+                     self.engine.forward_passes, rows, self.step_slowdown, self.prefill_slowdown, prefilled_with)
 
     def _learn(self, generation: Generation) -> None:
         """The steps a request takes and the rows a sequence adds to a step, from one that finished."""
@@ -294,7 +310,9 @@ class _Plan:
     then every request is admitted) times the slowdowns measured here: its prefill delays every
     running request by cost(its prompt rows: those past a cached prefix) x `prefill_slowdown`;
     then every step costs cost(rows) x `step_slowdown`, each sequence adding `rows` rows, until
-    each has taken its expected steps (`steps`, at most the request's answer budget).
+    each has taken its expected steps (`steps`, at most the request's answer budget). Prompts
+    admitted to one step are prefilled in one forward: each waits for all of them
+    (`prefilled_with`: the rows admitted before this one).
     Conservative: the batch is priced as if nobody left it early."""
 
     cost: Callable[[int], float] | None
@@ -306,6 +324,7 @@ class _Plan:
     prompt_rows: int  # the prompt's rows its prefill computes (those past a cached prefix)
     step_slowdown: float = 1.0
     prefill_slowdown: float = 1.0
+    prefilled_with: int = 0
 
     @property
     def steps(self) -> float:
@@ -314,20 +333,20 @@ class _Plan:
     def _step_s(self, sequences: int) -> float:
         return self.step_slowdown * self.cost(max(1, round(sequences * self.rows)))
 
-    def _prefill_s(self) -> float:
-        return self.prefill_slowdown * self.cost(self.prompt_rows)
+    def _prefill_s(self, rows: int) -> float:
+        return self.prefill_slowdown * self.cost(rows)
 
     def finish_alone(self) -> float | None:
         """Seconds the request takes with the batch to itself (None: no cost curve)."""
         if self.cost is None:
             return None
-        return self._prefill_s() + self.steps * self._step_s(1)
+        return self._prefill_s(self.prompt_rows) + self.steps * self._step_s(1)
 
     def keeps_everyone_in_time(self, deadline: Deadline) -> bool:
         """Whether the request and every running one are expected to end within their budgets."""
         if self.cost is None:
             return True
-        prefill, step = self._prefill_s(), self._step_s(len(self.running) + 1)
+        prefill, step = self._prefill_s(self.prefilled_with + self.prompt_rows), self._step_s(len(self.running) + 1)
         ends = [(deadline, prefill + self.steps * step)]
         ends += [(r.deadline, prefill + max(1.0, r.steps - (self.now_step - r.joined)) * step) for r in self.running]
         return all(d.remaining() is None or end <= d.remaining() for d, end in ends)

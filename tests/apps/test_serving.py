@@ -128,8 +128,9 @@ def test_each_step_admits_at_most_the_prompt_token_cap(smollm2):
 
 def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2):
     """Admission by deadline, on a step cost curve given to the engine (0.05 s a row, so a prompt
-    of 10 tokens costs 0.5 s and a step of n sequences 0.05 n s): with a 1.8 s budget and 10
-    answer tokens, two requests fit together (0.5 + 10 x 0.1 s), three would not (2.0 s), so at
+    of 10 tokens costs 0.5 s and a step of n sequences 0.05 n s): with a 2.2 s budget and 10
+    answer tokens, two requests fit together (prefilled in one step, 1.0 + 10 x 0.1 s), three
+    would not (1.5 + 10 x 0.15 s), so at
     most two are in the batch at once and the others wait for them; one whose budget is below what
     it needs alone (1.0 s) is refused at once without a slot."""
     from specsuite.apps.serving.batch_server import PRIOR_STEPS, BatchServer
@@ -145,7 +146,7 @@ def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2)
         server.run(Request(_prompt(smollm2[1], 10), params=SamplingParams(max_new_tokens=10), on_step=hopeless), Deadline(0.7))
     assert time.monotonic() - start < 0.5 and hopeless.at == []
     calls = [(Request(_prompt(smollm2[1], 10), params=SamplingParams(max_new_tokens=10), on_step=lambda *a: in_flight.append(engine.in_flight)),
-              Deadline(1.8)) for _ in range(6)]
+              Deadline(2.2)) for _ in range(6)]
     start = time.monotonic()
     futures = [server.submit(request, deadline) for request, deadline in calls]
     answered = 0
@@ -154,10 +155,54 @@ def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2)
             answered += bool(future.result(timeout=30).tokens)
         except TimeBudgetExceeded:
             pass
-    assert time.monotonic() - start < 1.8 + 1.0  # every call ended, answered or refused in time
+    assert time.monotonic() - start < 2.2 + 1.0  # every call ended, answered or refused in time
     assert answered >= 2 and in_flight and max(in_flight) == 2, in_flight
     assert server.steps < PRIOR_STEPS  # learned from the finished ones: 11 forwards each
 
+
+
+def test_prompts_admitted_to_one_step_are_priced_as_one_prefill(smollm2):
+    """Three 100-token prompts queued together, 0.01 s a row on the given cost curve, a 2.5 s
+    budget: each alone (1 s of prefill) fits, and two prefilled in one step (2 s) do, but three
+    in one step (3 s) would make all three late: the third joins a step later."""
+    from specsuite.apps.serving.batch_server import BatchServer
+    from specsuite.core.speculation.draft_budget import StepCost
+    from specsuite.core.scheduler.engine import BatchEngine, Request
+
+    tok = smollm2[1]
+    engine = BatchEngine(smollm2[0], EngineConfig(batch_size=4), cost=StepCost({1: 0.01, 64: 0.64}))
+    server = BatchServer(engine)
+    queued = threading.Event()
+    holder = server.submit(Request(_prompt(tok, 10), params=SamplingParams(max_new_tokens=3), on_step=lambda *a: queued.wait(30)))
+    steps = [Steps(engine) for _ in range(3)]
+    futures = [server.submit(Request(_prompt(tok, 100), params=SamplingParams(max_new_tokens=2), on_step=s), Deadline(2.5))
+               for s in steps]
+    queued.set()
+    for f in [holder, *futures]:
+        f.result(timeout=60)
+    first = sorted(s.at[0] for s in steps)
+    assert first[0] == first[1] and first[2] > first[1], first
+
+
+def test_a_burst_to_an_idle_server_is_admitted_cheapest_prefill_first(smollm2):
+    """A 600-token prompt and then a 10-token one sent together to an idle server with one slot:
+    the server waits for the rest of the burst (`burst_gap_s`), so the short one runs first; with
+    no wait, the first to arrive takes the slot."""
+    from specsuite.apps.serving.batch_server import BatchServer
+    from specsuite.core import PrefixCache
+    from specsuite.core.scheduler.engine import BatchEngine, Request
+
+    tok = smollm2[1]
+    for gap, short_first in ((0.5, True), (0, False)):
+        engine = BatchEngine(smollm2[0], EngineConfig(batch_size=1, prefix_cache=PrefixCache(smollm2[0].config)))
+        server = BatchServer(engine, burst_gap_s=gap)
+        long_steps, short_steps = Steps(engine), Steps(engine)
+        long = server.submit(Request(_prompt(tok, 600), params=SamplingParams(max_new_tokens=2), on_step=long_steps))
+        time.sleep(0.05)  # the long one is queued first, the engine thread started
+        short = server.submit(Request(_prompt(tok, 10), params=SamplingParams(max_new_tokens=2), on_step=short_steps))
+        for future in (long, short):
+            future.result(timeout=60)
+        assert (short_steps.at[0] < long_steps.at[0]) == short_first, (gap, short_steps.at, long_steps.at)
 
 
 def test_admission_prices_only_the_prompt_rows_past_a_cached_prefix(smollm2):
@@ -193,7 +238,7 @@ def test_a_cached_prompt_joins_before_an_uncached_one_that_cannot_fit_yet(smollm
     tok = smollm2[1]
     engine = BatchEngine(smollm2[0], EngineConfig(batch_size=4, prefix_cache=PrefixCache(smollm2[0].config)),
                          cost=StepCost({1: 0.01, 64: 0.64}))
-    server = BatchServer(engine)
+    server = BatchServer(engine, burst_gap_s=0)  # the holder runs before the others queue
     cached = _prompt(tok, 60)
     first = server.run(Request(cached, params=SamplingParams(max_new_tokens=5)), Deadline(None))
     queued = threading.Event()
@@ -220,7 +265,7 @@ def test_admission_learns_how_much_slower_than_the_curve_steps_run_here(smollm2)
 
     tok = smollm2[1]
     engine = BatchEngine(smollm2[0], EngineConfig(batch_size=2), cost=StepCost({1: 1e-5, 64: 64e-5}))
-    server = BatchServer(engine)
+    server = BatchServer(engine, burst_gap_s=0)  # no wait for a burst: the budget below is milliseconds
     for _ in range(3):
         server.run(Request(_prompt(tok, 20), params=SamplingParams(max_new_tokens=8)), Deadline(60))
     assert server.step_slowdown == pytest.approx(MAX_SLOWDOWN, rel=0.5)  # a step here takes ~1e-3 s or more, not 1e-5

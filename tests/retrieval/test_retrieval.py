@@ -16,7 +16,7 @@ import pytest
 from specsuite.models import embedding_model_path
 from specsuite.retrieval import (ChunkSettings, Chunker, CorruptIndexError, Document, DocumentError, Embedder,
                                  EmbeddingModelMismatchError, IndexLoadError, IndexSettings, PassageIndex,
-                                 load_documents, parse_specbench_rag)
+                                 load_documents, parse_specbench_rag, relevant)
 from specsuite.retrieval import cli as retrieval_cli
 from specsuite.retrieval import index as index_module
 from conftest import REPO
@@ -132,6 +132,17 @@ def test_round_trip(tmp_path: Path, built: PassageIndex, embedder: Embedder) -> 
     assert results[0][0].doc_id == "chess" and results[0][1] > results[1][1]
     # The same model named by preset (as the CLI does) is accepted too.
     assert len(PassageIndex.load(tmp_path / "idx", embedding_model="minilm-l6")) == 3
+
+
+def test_relevant_keeps_the_passages_near_the_best_score(built: PassageIndex) -> None:
+    hits = built.search("Which board game has a king and checkmate?", k=3)
+    best = hits[0][1]
+    assert hits[0][0].doc_id == "chess" and best > 2 * max(score for _, score in hits[1:])  # two off-topic
+    assert relevant(hits, 0.5) == hits[:1] and relevant(hits, 0.0) == hits
+    assert relevant([("a", 0.8), ("b", 0.4), ("c", 0.39)], 0.5) == [("a", 0.8), ("b", 0.4)]  # at the share: kept
+    assert relevant([("a", 0.1), ("b", -0.2)], 1.0) == [("a", 0.1)]
+    assert relevant([("a", -0.1), ("b", -0.2)], 0.5) == [("a", -0.1), ("b", -0.2)]  # nothing stands out: all
+    assert relevant([], 0.5) == []
 
 
 def test_other_embedding_model_is_rejected(tmp_path: Path, built: PassageIndex) -> None:
