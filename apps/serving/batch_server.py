@@ -17,13 +17,17 @@ queued with the same prompt. Callers whose prompt another caller's prefill left 
 same question over the same passages) join at once instead of waiting behind a prompt that cannot
 fit yet, and of two uncached prompts the one that answers more callers goes first. Under a burst
 of callers (48 at once with a 30 s budget) the batch then finishes the requests it took, instead
-of taking as many as fit in the slots and having most of them time out together. How many steps a request takes is learned from the ones
+of taking as many as fit in the slots and having most of them time out together. Greedy requests
+queued together with the same prompt and limits (`twin_key`: the same question over the same
+passages from several callers) decode as one sequence: greedy output depends on nothing else, so
+each caller gets what it would have alone, for one slot and one prefill (`_Callers`). How many steps a request takes is learned from the ones
 that finished here (PRIOR_STEPS until then), and how much slower than the curve a step runs here
 from every step (`step_slowdown`, `prefill_slowdown`: drafts' rows, a busy machine).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import sys
 import threading
@@ -48,12 +52,13 @@ LEARN_RATE = 0.2
 # the curve (measured on a quiet machine: a step can run slower, not faster), and one odd step
 # cannot swing admission far.
 MIN_SLOWDOWN, MAX_SLOWDOWN = 1.0, 20.0
-# A request that finds the engine idle waits for the rest of its burst before admission (as long
-# as the next one comes within BURST_GAP_S, at most BURST_WINDOW_S): callers who arrive together
-# are then admitted cheapest prefill first, not whichever came first (a long prefill taken alone
-# at once can leave no time for the others); a lone request waits BURST_GAP_S. The gap spans one
-# RAG caller's retrieval (callers retrieve one at a time, `RagQA.retrieve`).
-BURST_GAP_S, BURST_WINDOW_S = 0.05, 0.5
+# A request that finds the engine idle waits for the rest of its burst before admission: callers
+# who arrive together are then admitted cheapest prefill first and twins together, not whichever
+# came first (a long prefill taken alone at once can leave no time for the others). A lone request
+# waits BURST_GAP_S; once a second comes within it, the server waits as long as the next comes
+# within BURST_GAP_S x BURST_SPREAD (RAG callers retrieve one at a time, `RagQA.retrieve`: ~40 ms
+# apart), at most BURST_WINDOW_S in all.
+BURST_GAP_S, BURST_SPREAD, BURST_WINDOW_S = 0.05, 3, 2.0
 # Seconds with nothing to decode after which the engine's KV cache is freed (a server's cache grows
 # with its busiest moment; bursts closer together keep it).
 IDLE_SHRINK_S = 30.0
@@ -101,6 +106,42 @@ def _toward(slowdown: float, ratio: float) -> float:
     return slowdown + LEARN_RATE * (min(max(ratio, MIN_SLOWDOWN), MAX_SLOWDOWN) - slowdown)
 
 
+def twin_key(request: Request) -> tuple | None:
+    """What decides a greedy request's tokens: its prompt and limits (the drafter changes the speed
+    only). None for a sampled one: each caller draws its own."""
+    p = request.params
+    if p.sampling is not None:
+        return None
+    return tuple(request.prompt), p.max_new_tokens, p.stop_strings, p.ignore_eos
+
+
+class _Callers:
+    """The callers of one sequence (a request and its queued twins), as its `on_step`: each step
+    goes to every caller's own; a caller whose on_step raises (its time budget, a closed stream)
+    leaves with that error, and the sequence stops when none is left."""
+
+    def __init__(self, callers: list[tuple[Callable | None, Future]]) -> None:
+        self.callers = callers
+
+    def __call__(self, tokens, flags) -> None:
+        error = None
+        for caller in list(self.callers):
+            on_step, future = caller
+            try:
+                if on_step is not None:
+                    on_step(tokens, flags)
+            except Exception as e:  # noqa: BLE001 - the caller's own end, passed to it
+                self.callers.remove(caller)
+                future.set_exception(e)
+                error = e
+        if not self.callers:
+            raise error
+
+    def end(self, result: Generation | Exception) -> None:
+        for _, future in self.callers:
+            future.set_exception(result) if isinstance(result, Exception) else future.set_result(result)
+
+
 class EngineFailure(RuntimeError):
     """The running batch failed (not one request's input): its requests are lost."""
 
@@ -128,7 +169,7 @@ class BatchServer:
         self.step_slowdown = self.prefill_slowdown = 1.0
         self._queue: queue.Queue[tuple[Request, Future, Deadline]] = queue.Queue()
         self._pending: list[tuple[Request, Future, Deadline]] = []  # taken from the queue, in arrival order, not yet admitted
-        self._futures: dict[int, Future] = {}  # by engine request id (the engine thread's alone)
+        self._callers: dict[int, _Callers] = {}  # by engine request id (the engine thread's alone)
         self._running: dict[int, _Running] = {}  # by engine request id (the engine thread's alone)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -166,6 +207,8 @@ class BatchServer:
             for item, rows in self._admission_order():
                 if engine.in_flight + len(engine.waiting) >= engine.batch_size:
                     break
+                if not any(item is pending for pending in self._pending):
+                    continue  # a twin of one admitted this step
                 request, future, deadline = item
                 if self._shares_a_prefill(request, rows, prefilling):
                     continue  # next step that prefix is cached: it prefills the rest only
@@ -186,18 +229,30 @@ class BatchServer:
                 self._pending.remove(item)
                 if not future.set_running_or_notify_cancel():
                     continue  # its caller gave up while it was queued
-                request_id = engine.add_request(request)
+                callers = _Callers([(request.on_step, future), *self._take_twins(request)])
+                request_id = engine.add_request(dataclasses.replace(request, on_step=callers))
                 self._running[request_id] = _Running(deadline, plan.steps, engine.forward_passes)
-                self._futures[request_id] = future
+                self._callers[request_id] = callers
                 admitted += plan.prompt_rows
                 prefilling.append(request.prompt)
             if engine.has_unfinished_requests():
                 return admitted
 
+    def _take_twins(self, request: Request) -> list[tuple[Callable | None, Future]]:
+        """Take the queued requests that decode the same tokens as `request` (`twin_key`) out of
+        the queue, as callers of its sequence (those whose callers gave up are dropped)."""
+        key = twin_key(request)
+        if key is None:
+            return []
+        twins = [item for item in self._pending if twin_key(item[0]) == key]
+        for item in twins:
+            self._pending.remove(item)
+        return [(twin.on_step, future) for twin, future, _ in twins if future.set_running_or_notify_cancel()]
+
     def _collect(self) -> None:
         """Move queued requests to `_pending`; while nothing is decoding or pending, wait for one
         (giving the KV cache's memory back after IDLE_SHRINK_S of nothing), then for the rest of
-        its burst (`burst_gap_s`, BURST_WINDOW_S)."""
+        its burst (`burst_gap_s`, BURST_SPREAD, BURST_WINDOW_S)."""
         idle = not (self._pending or self.engine.has_unfinished_requests())
         while True:
             try:
@@ -211,12 +266,13 @@ class BatchServer:
                 self._pending.append(self._queue.get(timeout=IDLE_SHRINK_S))
             except queue.Empty:
                 self.engine.store.shrink()
-        end = time.monotonic() + BURST_WINDOW_S
-        while idle and self.burst_gap_s > 0 and (left := end - time.monotonic()) > 0:
+        end, gap = time.monotonic() + BURST_WINDOW_S, self.burst_gap_s
+        while idle and gap > 0 and (left := end - time.monotonic()) > 0:
             try:
-                self._pending.append(self._queue.get(timeout=min(self.burst_gap_s, left)))
+                self._pending.append(self._queue.get(timeout=min(gap, left)))
             except queue.Empty:
                 return
+            gap = self.burst_gap_s * BURST_SPREAD  # a burst: its callers may come a little apart
 
     def _admission_order(self) -> list[tuple[tuple[Request, Future, Deadline], int]]:
         """The pending requests, each with the rows its prefill computes (`_prompt_rows`, worked
@@ -282,23 +338,20 @@ class BatchServer:
                 ended = self.engine.step()
                 self._learn_speed(time.perf_counter() - start, prompt_rows, decoding)
                 for request_id, result in ended:
-                    future = self._futures.pop(request_id)
                     self._running.pop(request_id, None)
-                    if isinstance(result, Exception):
-                        future.set_exception(result)
-                    else:
+                    if not isinstance(result, Exception):
                         self._learn(result)
                         self.failure = None  # answering again
-                        future.set_result(result)
+                    self._callers.pop(request_id).end(result)
         except BaseException as e:  # the batch itself failed: fail its callers, go on with the queued ones
             failure = EngineFailure(f"the model's batch failed ({type(e).__name__}: {e}); the requests in it were "
                                     "lost, the engine restarts with the next one; try again")
             with self._lock:
                 self._thread = None
                 self.failure = failure
-                waiting, self._futures, self._running = list(self._futures.values()), {}, {}
-            for future in waiting:
-                future.set_exception(failure)
+                waiting, self._callers, self._running = list(self._callers.values()), {}, {}
+            for callers in waiting:
+                callers.end(failure)
             if self._pending or not self._queue.empty():
                 self._start()
             raise

@@ -145,8 +145,9 @@ def rag_qa(smollm2):
     from specsuite.retrieval import Embedder, PassageIndex, load_documents
 
     index = PassageIndex.build(load_documents([DEMO_CORPUS]), Embedder("minilm-l6"))
-    # No prefix cache: every call prefills its passages, so a call with many of them is slow.
-    return RagQA.from_loaded(*smollm2, index, max_new_tokens=16, prefix_cache_bytes=0)
+    # No prefix cache: every call prefills its passages, so a call with many of them is slow; every
+    # one of the k passages asked for goes into the prompt (min_relevance 0), however off-topic.
+    return RagQA.from_loaded(*smollm2, index, max_new_tokens=16, prefix_cache_bytes=0, min_relevance=0)
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +208,7 @@ def test_rag_answers_right_after_bad_calls(rag):
 def test_rag_question_and_passages_must_fit_the_context(smollm2, rag_qa):
     from specsuite.apps.rag.qa import RagQA
 
-    qa = RagQA.from_loaded(*smollm2, rag_qa.index, max_new_tokens=8000, prefix_cache_bytes=0)
+    qa = RagQA.from_loaded(*smollm2, rag_qa.index, max_new_tokens=8000, prefix_cache_bytes=0, min_relevance=0)
     assert qa.max_question_tokens == qa.context - 8000  # the default: the context less the answer budget
     with pytest.raises(InputError, match="3 passages take .* tokens; with the answer budget of 8,000 tokens"):
         qa.ask(QUESTION, 3)

@@ -25,8 +25,9 @@ NATURAL = "All work and no play makes Jack a dull boy. " * 3000  # ~30,000 token
 REFUSAL_S = 2.0
 
 
-def _prompt(tok, n: int) -> list[int]:
-    return tok("Count from one to one thousand: " + "one two three " * n)["input_ids"][:n]
+def _prompt(tok, n: int, caller: int = 0) -> list[int]:
+    """A prompt of n tokens; callers > 0 get their own (identical greedy requests decode as one)."""
+    return tok(f"Caller {caller}. " * bool(caller) + "Count from one to one thousand: " + "one two three " * n)["input_ids"][:n]
 
 
 class Steps:
@@ -112,13 +113,13 @@ def test_each_step_admits_at_most_the_prompt_token_cap(smollm2):
     from specsuite.core.scheduler.engine import BatchEngine, Request
 
     engine = BatchEngine(smollm2[0], EngineConfig(batch_size=4, draft_budget=False))
-    server = BatchServer(engine, max_prompt_tokens=1024)
+    server = BatchServer(engine, max_prompt_tokens=1024, burst_gap_s=0)  # the holder runs before the others queue
     steps = [Steps(engine) for _ in range(3)]
     queued = threading.Event()
     # A running request keeps the engine stepping (its first step waits until all three are queued).
     holder = server.submit(Request(_prompt(smollm2[1], 10), params=SamplingParams(max_new_tokens=3), on_step=lambda *a: queued.wait(30)))
-    futures = [server.submit(Request(_prompt(smollm2[1], n), params=SamplingParams(max_new_tokens=2), on_step=s))
-               for n, s in zip((600, 600, 300), steps)]
+    futures = [server.submit(Request(_prompt(smollm2[1], n, caller), params=SamplingParams(max_new_tokens=2), on_step=s))
+               for caller, n, s in zip((1, 2, 3), (600, 600, 300), steps)]
     queued.set()
     for f in [holder, *futures]:
         f.result(timeout=120)
@@ -145,8 +146,8 @@ def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2)
     with pytest.raises(TimeBudgetExceeded, match=r"less than this request needs \(at least 1.0 s"):
         server.run(Request(_prompt(smollm2[1], 10), params=SamplingParams(max_new_tokens=10), on_step=hopeless), Deadline(0.7))
     assert time.monotonic() - start < 0.5 and hopeless.at == []
-    calls = [(Request(_prompt(smollm2[1], 10), params=SamplingParams(max_new_tokens=10), on_step=lambda *a: in_flight.append(engine.in_flight)),
-              Deadline(2.2)) for _ in range(6)]
+    calls = [(Request(_prompt(smollm2[1], 10, caller), params=SamplingParams(max_new_tokens=10),
+                      on_step=lambda *a: in_flight.append(engine.in_flight)), Deadline(2.2)) for caller in range(1, 7)]
     start = time.monotonic()
     futures = [server.submit(request, deadline) for request, deadline in calls]
     answered = 0
@@ -162,21 +163,22 @@ def test_a_burst_joins_the_batch_only_while_everyone_can_finish_in_time(smollm2)
 
 
 def test_prompts_admitted_to_one_step_are_priced_as_one_prefill(smollm2):
-    """Three 100-token prompts queued together, 0.01 s a row on the given cost curve, a 2.5 s
-    budget: each alone (1 s of prefill) fits, and two prefilled in one step (2 s) do, but three
-    in one step (3 s) would make all three late: the third joins a step later."""
+    """Three 100-token prompts queued together, 0.1 s a row on the given cost curve (far above
+    this model's real cost, so that real time is a small part of the budget), a 25 s budget: each
+    alone (10 s of prefill) fits, and two prefilled in one step (20 s) do, but three in one step
+    (30 s) would make all three late: the third joins a step later."""
     from specsuite.apps.serving.batch_server import BatchServer
     from specsuite.core.speculation.draft_budget import StepCost
     from specsuite.core.scheduler.engine import BatchEngine, Request
 
     tok = smollm2[1]
-    engine = BatchEngine(smollm2[0], EngineConfig(batch_size=4), cost=StepCost({1: 0.01, 64: 0.64}))
-    server = BatchServer(engine)
+    engine = BatchEngine(smollm2[0], EngineConfig(batch_size=4), cost=StepCost({1: 0.1, 64: 6.4}))
+    server = BatchServer(engine, burst_gap_s=0)  # the holder runs before the others queue
     queued = threading.Event()
     holder = server.submit(Request(_prompt(tok, 10), params=SamplingParams(max_new_tokens=3), on_step=lambda *a: queued.wait(30)))
     steps = [Steps(engine) for _ in range(3)]
-    futures = [server.submit(Request(_prompt(tok, 100), params=SamplingParams(max_new_tokens=2), on_step=s), Deadline(2.5))
-               for s in steps]
+    futures = [server.submit(Request(_prompt(tok, 100, caller), params=SamplingParams(max_new_tokens=2), on_step=s),
+                             Deadline(25)) for caller, s in enumerate(steps, 1)]
     queued.set()
     for f in [holder, *futures]:
         f.result(timeout=60)
@@ -203,6 +205,39 @@ def test_a_burst_to_an_idle_server_is_admitted_cheapest_prefill_first(smollm2):
         for future in (long, short):
             future.result(timeout=60)
         assert (short_steps.at[0] < long_steps.at[0]) == short_first, (gap, short_steps.at, long_steps.at)
+
+
+def test_identical_greedy_requests_queued_together_decode_as_one_sequence(smollm2):
+    """Three callers with the same prompt and one with another, sent together: the three share one
+    sequence (two in flight, not four), each gets the tokens it gets alone and sees every step;
+    one of them leaving (its on_step raises: a time budget, a closed stream) does not stop the
+    others'."""
+    from specsuite.apps.serving.batch_server import BatchServer
+    from specsuite.core.scheduler.engine import BatchEngine, Request
+
+    tok = smollm2[1]
+    engine = BatchEngine(smollm2[0], EngineConfig(batch_size=4))
+    server = BatchServer(engine, burst_gap_s=0.5)
+    same, other = _prompt(tok, 30), _prompt(tok, 12)
+    params = SamplingParams(max_new_tokens=8)
+    alone = server.run(Request(same, params=params), Deadline(None)).tokens
+    in_flight, steps = [], [Steps(engine) for _ in range(3)]
+
+    def leaves_after_two(tokens, flags):
+        if len(steps[2].at) == 2:
+            raise RuntimeError("this caller left")
+        steps[2](tokens, flags)
+        in_flight.append(engine.in_flight)
+
+    futures = [server.submit(Request(same, params=params, on_step=on_step))
+               for on_step in (steps[0], steps[1], leaves_after_two)]
+    futures.append(server.submit(Request(other, params=params)))
+    assert [f.result(timeout=60).tokens for f in futures[:2]] == [alone, alone]
+    with pytest.raises(RuntimeError, match="this caller left"):
+        futures[2].result(timeout=60)
+    assert futures[3].result(timeout=60).tokens
+    assert steps[0].at == steps[1].at and len(steps[0].at) > 2 and steps[2].at == steps[0].at[:2]
+    assert max(in_flight) == 2, in_flight
 
 
 def test_admission_prices_only_the_prompt_rows_past_a_cached_prefix(smollm2):

@@ -282,7 +282,7 @@ def test_cli_ask(smollm2, demo_index, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(qa_module, "RagQA", loaded_rag_qa)
     assert main(["rag", "ask", str(tmp_path / "idx"), "Who built the Great Wall?", "-k", "2",
-                 "--max-new-tokens", "8"]) == 0
+                 "--max-new-tokens", "8", "--min-relevance", "0"]) == 0  # 0: both passages, however off-topic
     out = capsys.readouterr().out
     assert "Sources:" in out and "[2] score" in out and "Stats:" in out
     assert main(["rag", "ask", str(tmp_path / "missing"), "q"]) == 1
@@ -364,7 +364,7 @@ def test_cli_answer_a_file_of_questions_resumably(smollm2, demo_index, tmp_path,
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json\n")
     out = tmp_path / "answers.jsonl"
     args = ["rag", "answer", str(inp), "-o", str(out), "--index", str(tmp_path / "idx"), "-k", "2",
-            "--max-new-tokens", "8", "--batch-size", "2"]
+            "--max-new-tokens", "8", "--batch-size", "2", "--min-relevance", "0"]
     assert main(args) == 1  # errors were recorded
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["line"] for r in records] == [1, 2, 3, 4]

@@ -28,7 +28,7 @@ def app_url(smollm2_fp32):
 
     index = PassageIndex.build(load_documents([DEMO_CORPUS]), Embedder("minilm-l6"))
     # fp32: the same answer on every CPU (see conftest), one that copies from the corpus
-    qa = RagQA.from_loaded(*smollm2_fp32, index, max_new_tokens=16)
+    qa = RagQA.from_loaded(*smollm2_fp32, index, max_new_tokens=16, min_relevance=0)  # k passages shown, as asked
     app = build_app(qa, k=3)
     port = free_port()
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
