@@ -39,7 +39,7 @@ def median_seconds(prepare: Callable[[str, int], Callable[[], object]], names: l
 # of them slowed: one late repeat of three happens on quiet machines too, docs/architecture-core.md,
 # Measurements: quiet repeats; of two repeats, the slower), or a kept curve that a fresh check
 # finds off by more than DRIFT, say the machine was busy (or has changed): such a curve is timed
-# again, at most TRIES times, and kept on disk only once it is consistent.
+# again, at most TRIES times, and kept on disk only when the first try is consistent.
 SPREAD = 1.5
 DRIFT = 1.3
 TRIES = 3
@@ -69,7 +69,7 @@ def calibrated(paths: dict[str, Path | None], rows: list[int],
     `check`: if a quick timing of two row counts, two rounds, once per process, finds it within
     DRIFT of now); else
     timed by `measure(rows, reps)` -> {name: {rows: [s]}} until consistent (`timing_problem`, at
-    most TRIES times) and kept. A machine busy for every try: the kept curve if there is one (a
+    most TRIES times), kept if the first try was. A machine busy for every try: the kept curve if there is one (a
     quiet moment's), else the last timing made monotone, and nothing is kept."""
     kept = {name: StepCost.load(path, rows) for name, path in paths.items()}
     if all(cost is not None for cost in kept.values()):
@@ -91,6 +91,9 @@ def calibrated(paths: dict[str, Path | None], rows: list[int],
         times = measure(rows, reps)
         if (why := timing_problem(times)) is None:
             costs = {name: StepCost(per_rows) for name, per_rows in medians(times).items()}
+            if attempt:  # right after a busy timing: a neighbour's steady load times consistently too
+                log("this timing is used but not kept (the machine was busy a moment ago)")
+                return costs
             for name, cost in costs.items():
                 cost.save(paths[name])
             _CHECKED.update(paths.values())

@@ -48,15 +48,15 @@ def test_step_bytes_count_the_weights_at_the_backends_size_and_the_kv_read():
 
 class Machine:
     """A fake clock: a forward of r rows takes 10 ms + 1 ms a row, times `slower` while another
-    process shares the cores (`busy`: from the call after `busy_from` on, every other call of
-    a round of 3 is 3x slower, as a neighbour's bursts are)."""
+    process shares the cores (`busy`: from the call after `busy_from` to `busy_until`, every third
+    call is 3x slower, as a neighbour's bursts are)."""
 
     def __init__(self, slower: float = 1.0) -> None:
-        self.now, self.calls, self.slower, self.busy_from = 0.0, 0, slower, None
+        self.now, self.calls, self.slower, self.busy_from, self.busy_until = 0.0, 0, slower, None, float("inf")
 
     def forward(self, rows: int) -> None:
         self.calls += 1
-        loaded = self.busy_from is not None and self.calls > self.busy_from and self.calls % 3 == 0
+        loaded = self.busy_from is not None and self.busy_from < self.calls <= self.busy_until and self.calls % 3 == 0
         self.now += (0.010 + 0.001 * rows) * self.slower * (3.0 if loaded else 1.0)
 
     def measure(self, rows: list[int], reps: int) -> dict:
@@ -91,6 +91,19 @@ def test_a_curve_timed_on_a_loaded_machine_is_never_kept(tmp_path):
     cost = calibrated({"engine": path}, ROWS, busy.measure, 3, check=True, log=lines.append)["engine"]
     assert not path.exists() and cost.secs == sorted(cost.secs) and cost.secs[0] >= 0.011
     assert sum("busy while timing" in line for line in lines) == 3 and "not kept" in lines[-1]
+
+
+def test_a_timing_right_after_a_busy_one_is_used_but_not_kept(tmp_path):
+    """A neighbour that bursts, then works steadily, times consistently at its own pace: a curve
+    timed right after a busy try is used, not kept; the next start times the machine again."""
+    path, lines = tmp_path / "cost.json", []
+    one_try = Machine()
+    one_try.measure(ROWS, 3)
+    machine = Machine(slower=2.0)  # steadily slower once its bursts end
+    machine.busy_from, machine.busy_until = 0, one_try.calls  # the first try is disturbed
+    cost = calibrated({"engine": path}, ROWS, machine.measure, 3, check=True, log=lines.append)["engine"]
+    assert cost.secs == quiet_curve(2.0) and not path.exists()
+    assert "busy while timing" in lines[1] and "used but not kept" in lines[2] and len(lines) == 3
 
 
 def test_a_kept_curve_survives_a_busy_start_and_follows_a_changed_machine(tmp_path):
