@@ -46,6 +46,11 @@ TRIES = 3
 # The kept curves checked (or timed) in this process: once each, so engines made later (another
 # thread's, whose forwards may time differently) read them as they are rather than re-time them.
 _CHECKED: set[Path | None] = set()
+# The curves timed in this process but not kept (the machine was busy): held for the process, so
+# that a second engine of the same model and backend (`gec demo`: the estimate's, then the
+# corrector's) uses them rather than timing again, minutes on a loaded machine; a new process
+# times again.
+_USED: dict[Path, StepCost] = {}
 
 
 def timing_problem(times: dict[str, dict[int, list[float]]]) -> str | None:
@@ -70,7 +75,10 @@ def calibrated(paths: dict[str, Path | None], rows: list[int],
     DRIFT of now); else
     timed by `measure(rows, reps)` -> {name: {rows: [s]}} until consistent (`timing_problem`, at
     most TRIES times), kept if the first try was. A machine busy for every try: the kept curve if there is one (a
-    quiet moment's), else the last timing made monotone, and nothing is kept."""
+    quiet moment's), else the last timing made monotone, and nothing is kept. A timing used but not
+    kept is held for the process: a later call for the same paths reads it, not the machine."""
+    if all(path in _USED for path in paths.values()):
+        return {name: _USED[path] for name, path in paths.items()}
     kept = {name: StepCost.load(path, rows) for name, path in paths.items()}
     if all(cost is not None for cost in kept.values()):
         if not check or all(path in _CHECKED for path in paths.values()):
@@ -93,7 +101,7 @@ def calibrated(paths: dict[str, Path | None], rows: list[int],
             costs = {name: StepCost(per_rows) for name, per_rows in medians(times).items()}
             if attempt:  # right after a busy timing: a neighbour's steady load times consistently too
                 log("this timing is used but not kept (the machine was busy a moment ago)")
-                return costs
+                return _used(paths, costs)
             for name, cost in costs.items():
                 cost.save(paths[name])
             _CHECKED.update(paths.values())
@@ -102,7 +110,13 @@ def calibrated(paths: dict[str, Path | None], rows: list[int],
             "the timing is used but not kept"))
     if all(cost is not None for cost in kept.values()):
         return kept
-    return {name: StepCost(_monotone(per_rows)) for name, per_rows in medians(times).items()}
+    return _used(paths, {name: StepCost(_monotone(per_rows)) for name, per_rows in medians(times).items()})
+
+
+def _used(paths: dict[str, Path | None], costs: dict[str, StepCost]) -> dict[str, StepCost]:
+    """`costs`, held for this process under their paths (those that have one)."""
+    _USED.update((path, costs[name]) for name, path in paths.items() if path is not None)
+    return costs
 
 
 def _monotone(points: dict[int, float]) -> dict[int, float]:

@@ -66,6 +66,12 @@ class Machine:
 ROWS = [1, 2, 4, 8, 16, 32]
 
 
+def new_process() -> None:
+    """Forget what this process checked or timed (the curves on disk stay)."""
+    calibration._CHECKED.clear()
+    calibration._USED.clear()
+
+
 def quiet_curve(slower: float = 1.0) -> list[float]:
     return pytest.approx([(0.010 + 0.001 * r) * slower for r in ROWS])
 
@@ -74,7 +80,7 @@ def test_a_curve_timed_on_a_quiet_machine_is_kept_and_checked_cheaply_later(tmp_
     path, lines = tmp_path / "cost.json", []
     cost = calibrated({"engine": path}, ROWS, Machine().measure, 3, check=True, log=lines.append)["engine"]
     assert cost.secs == quiet_curve() and StepCost.load(path, ROWS).secs == quiet_curve()
-    calibration._CHECKED.clear()  # a new process
+    new_process()
     later = Machine()
     assert calibrated({"engine": path}, ROWS, later.measure, 3, check=True, log=lines.append)["engine"].secs == quiet_curve()
     assert later.calls == 3 * 2  # the check: two row counts, a warm-up round and two timed ones
@@ -91,6 +97,12 @@ def test_a_curve_timed_on_a_loaded_machine_is_never_kept(tmp_path):
     cost = calibrated({"engine": path}, ROWS, busy.measure, 3, check=True, log=lines.append)["engine"]
     assert not path.exists() and cost.secs == sorted(cost.secs) and cost.secs[0] >= 0.011
     assert sum("busy while timing" in line for line in lines) == 3 and "not kept" in lines[-1]
+    calls = busy.calls  # another engine of the same model and backend in this process: no timing again
+    assert calibrated({"engine": path}, ROWS, busy.measure, 3, check=True)["engine"].secs == cost.secs
+    assert busy.calls == calls
+    new_process()  # the next start times it again (and keeps it, the machine now quiet)
+    assert calibrated({"engine": path}, ROWS, Machine().measure, 3, check=True)["engine"].secs == quiet_curve()
+    assert StepCost.load(path, ROWS).secs == quiet_curve()
 
 
 def test_a_timing_right_after_a_busy_one_is_used_but_not_kept(tmp_path):
@@ -104,17 +116,20 @@ def test_a_timing_right_after_a_busy_one_is_used_but_not_kept(tmp_path):
     cost = calibrated({"engine": path}, ROWS, machine.measure, 3, check=True, log=lines.append)["engine"]
     assert cost.secs == quiet_curve(2.0) and not path.exists()
     assert "busy while timing" in lines[1] and "used but not kept" in lines[2] and len(lines) == 3
+    calls = machine.calls  # held for the process: a second engine reads it, not the machine
+    assert calibrated({"engine": path}, ROWS, machine.measure, 3, check=True)["engine"].secs == quiet_curve(2.0)
+    assert machine.calls == calls
 
 
 def test_a_kept_curve_survives_a_busy_start_and_follows_a_changed_machine(tmp_path):
     path = tmp_path / "cost.json"
     calibrated({"engine": path}, ROWS, Machine().measure, 3, log=print)
-    calibration._CHECKED.clear()  # a new process
+    new_process()
     busy = Machine(slower=2.0)  # the check finds it off; every timing again is disturbed
     busy.busy_from = 0
     assert calibrated({"engine": path}, ROWS, busy.measure, 3, check=True, log=print)["engine"].secs == quiet_curve()
     assert StepCost.load(path, ROWS).secs == quiet_curve()  # the quiet curve stays
-    calibration._CHECKED.clear()
+    new_process()
     slower = Machine(slower=2.0)  # steadily 2x slower (another CPU model, a throttled host): re-timed and kept
     assert calibrated({"engine": path}, ROWS, slower.measure, 3, check=True, log=print)["engine"].secs == quiet_curve(2.0)
     assert StepCost.load(path, ROWS).secs == quiet_curve(2.0)
