@@ -55,7 +55,7 @@ def _run(args: argparse.Namespace) -> int:
     config = TrainConfig(task=args.task, model=args.model, out=out, rank=args.rank, alpha=args.alpha, lr=args.lr,
                          batch_size=args.batch_size, epochs=args.epochs, max_minutes=args.max_minutes,
                          checkpoint_minutes=args.checkpoint_minutes, dev_examples=args.dev, max_tokens=args.max_tokens,
-                         seed=args.seed, dtype=args.dtype,
+                         seed=args.seed, dtype=args.dtype, top_layers=args.top_layers,
                          data=[str(p) for p in [*args.data, *args.targets, *getattr(args, "qed", [])]])
     figures = train(config, examples, log=lambda s: print(s, file=sys.stderr))
     print(json.dumps(figures, indent=2))
@@ -73,6 +73,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-examples", type=int, help="use only the first N examples (after shuffling)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
+    p.add_argument("--top-layers", type=int, metavar="N",
+                   help="LoRA on the last N blocks only: faster steps (the blocks below run forward only); default all")
     p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4)")
     p.add_argument("--batch-size", type=int, default=8, help="examples a step (default 8)")
     p.add_argument("--checkpoint-minutes", type=float, default=5.0, help="checkpoint interval (default 5)")

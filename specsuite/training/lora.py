@@ -49,6 +49,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str | None = None  # None: bf16 autocast where the CPU computes bf16, else fp32
     targets: tuple[str, ...] = LORA_TARGETS
+    top_layers: int | None = None  # LoRA on the last N blocks only (None: all of them)
     data: list[str] = field(default_factory=list)  # for the model card
 
 
@@ -244,15 +245,24 @@ def train(config: TrainConfig, examples: Sequence, log: Callable[[str], None] = 
     total_steps = max(1, math.ceil(len(epoch_batches) * config.epochs))
 
     model.config.use_cache = False
+    blocks = model.config.num_hidden_layers
+    if config.top_layers is not None and not 1 <= config.top_layers <= blocks:
+        raise ValueError(f"--top-layers {config.top_layers}: the model has {blocks} blocks")
+    # LoRA on the last blocks only: the blocks below run without autograd (nothing there needs a
+    # gradient), so a step costs their forward alone, not forward and backward.
+    layers = list(range(blocks - config.top_layers, blocks)) if config.top_layers else None
     model = get_peft_model(model, LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0,
-                                             target_modules=list(config.targets), task_type="CAUSAL_LM"))
+                                             target_modules=list(config.targets), layers_to_transform=layers,
+                                             task_type="CAUSAL_LM"))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     state = {"step": 0, "elapsed_s": 0.0, "tokens": 0, "losses": []}
     if checkpoint.exists():
         saved = torch.load(checkpoint, weights_only=False)
         # the budget and the checkpoint interval may change between runs; nothing else may
-        if saved["config"] != asdict(config) | {k: saved["config"][k] for k in ("max_minutes", "checkpoint_minutes")}:
+        # (a checkpoint from before a setting existed has that setting's default)
+        saved_config = asdict(TrainConfig(**saved["config"]))
+        if saved_config != asdict(config) | {k: saved_config[k] for k in ("max_minutes", "checkpoint_minutes")}:
             raise ValueError(f"{checkpoint} is from a run with other settings; use another --out or delete it")
         model.load_state_dict(saved["lora"], strict=False)
         optimizer.load_state_dict(saved["optimizer"])
@@ -267,7 +277,8 @@ def train(config: TrainConfig, examples: Sequence, log: Callable[[str], None] = 
 
     budget_s = config.max_minutes * 60 if config.max_minutes else math.inf
     log(f"{len(train_set)} training examples ({too_long} over {config.max_tokens} tokens dropped), {n_dev} held back "
-        f"for dev; {total_steps} steps of {config.batch_size}; LoRA rank {config.rank} on {', '.join(config.targets)}; "
+        f"for dev; {total_steps} steps of {config.batch_size}; LoRA rank {config.rank} on {', '.join(config.targets)} "
+        f"of {f'the last {config.top_layers} of {blocks}' if layers else f'all {blocks}'} blocks; "
         f"{'bf16 autocast' if autocast else 'fp32'}")
     model.train()
     last_save = time.monotonic()
@@ -324,7 +335,7 @@ def write_adapter(out: Path, weights: dict[str, torch.Tensor], config: TrainConf
     from safetensors.torch import save_file
 
     meta = {"task": config.task, "base_model": config.model, "base_fingerprint": base, "rank": config.rank,
-            "alpha": config.alpha, "targets": list(config.targets), "data": config.data,
+            "alpha": config.alpha, "targets": list(config.targets), "top_layers": config.top_layers, "data": config.data,
             "training": {k: getattr(config, k) for k in ("lr", "batch_size", "epochs", "max_minutes", "seed",
                                                            "max_tokens")},
             "figures": figures}
@@ -341,7 +352,8 @@ def model_card(meta: dict) -> str:
     f, dev = meta["figures"], meta["figures"]["dev"]
     data = "\n".join(f"- `{d}`" for d in meta["data"]) or "- (not recorded)"
     return (f"# {meta['task']} adapter for {meta['base_model']}\n\n"
-            f"LoRA (rank {meta['rank']}, alpha {meta['alpha']:g}) on {', '.join(meta['targets'])}, trained with "
+            f"LoRA (rank {meta['rank']}, alpha {meta['alpha']:g}) on {', '.join(meta['targets'])}"
+            f"{f' of the last {top} blocks' if (top := meta.get('top_layers')) else ''}, trained with "
             f"`specsuite train {meta['task']}` and merged into the base weights at load.\n\n"
             f"- base model: `{meta['base_model']}`, {meta['base_fingerprint']}\n"
             f"- training: {f['steps']} steps of {meta['training']['batch_size']} examples ({f['examples_seen']:,} "

@@ -246,3 +246,27 @@ def test_train_lowers_the_loss_checkpoints_and_resumes_after_kill(tmp_path, smol
     base = Corrector.from_loaded(*smollm2, batch_size=1)
     fixed, unchanged = tuned.correct("He have 3 fish ."), base.correct("He have 3 fish .")
     assert fixed.text.startswith("He has 3 fish") and fixed.text != unchanged.text
+
+
+def test_top_layers_trains_the_last_blocks_alone(tmp_path):
+    """`--top-layers N`: LoRA weights on the last N blocks only (the blocks below run forward only),
+    the loss still falls, and the adapter merges like any other."""
+    from safetensors.torch import load_file
+
+    from specsuite.models import load_model, resolve_model_path
+    from specsuite.training.lora import TrainConfig, train
+
+    out = tmp_path / "adapter"
+    config = TrainConfig(task="gec", model="smollm2-135m", out=str(out), batch_size=4, dev_examples=8, lr=1e-3,
+                         epochs=2, top_layers=2)
+    figures = train(config, read_gec([_pairs_file(tmp_path, 60)]), log=lambda _: None)
+    assert figures["dev"]["adapter"]["loss"] < 0.7 * figures["dev"]["base"]["loss"]
+    model, _ = load_model("smollm2-135m", dtype="fp32")
+    last = model.config.num_hidden_layers - 1
+    layers = {int(k.split("layers.")[1].split(".")[0]) for k in load_file(str(out / ADAPTER_WEIGHTS))}
+    assert layers == {last - 1, last}
+    assert "of the last 2 blocks" in (out / "README.md").read_text()
+    merge_adapter(model, out, base_fingerprint(resolve_model_path("smollm2-135m")), "gec")
+    with pytest.raises(ValueError, match="--top-layers 99"):
+        train(TrainConfig(task="gec", model="smollm2-135m", out=str(tmp_path / "x"), top_layers=99),
+              read_gec([_pairs_file(tmp_path, 20)]), log=lambda _: None)
