@@ -49,7 +49,7 @@ def _run(args: argparse.Namespace) -> int:
     if not examples:
         print("error: no training examples", file=sys.stderr)
         return 2
-    from .lora import TrainConfig, train
+    from .lora import TrainConfig, TrainError, train
 
     out = args.out or f"adapter-{args.task}-{Path(args.model).name}"
     config = TrainConfig(task=args.task, model=args.model, out=out, rank=args.rank, alpha=args.alpha, lr=args.lr,
@@ -57,7 +57,11 @@ def _run(args: argparse.Namespace) -> int:
                          checkpoint_minutes=args.checkpoint_minutes, dev_examples=args.dev, max_tokens=args.max_tokens,
                          seed=args.seed, dtype=args.dtype, top_layers=args.top_layers,
                          data=[str(p) for p in [*args.data, *args.targets, *getattr(args, "qed", [])]])
-    figures = train(config, examples, log=lambda s: print(s, file=sys.stderr))
+    try:
+        figures = train(config, examples, log=lambda s: print(s, file=sys.stderr))
+    except TrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(figures, indent=2))
     print(f"adapter written to {out}; use it with --adapter {out}", file=sys.stderr)
     return 0

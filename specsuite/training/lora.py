@@ -31,6 +31,10 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 CHECKPOINT = "checkpoint.pt"
 
 
+class TrainError(ValueError):
+    """A run that cannot start as asked (its settings, its data, its checkpoint): the command says why."""
+
+
 @dataclass
 class TrainConfig:
     task: str  # "gec" or "rag": which app's prompt the examples are put in
@@ -234,7 +238,7 @@ def train(config: TrainConfig, examples: Sequence, log: Callable[[str], None] = 
     too_long = sum(len(e.ids) > config.max_tokens for e in encoded)
     encoded = [e for e in encoded if len(e.ids) <= config.max_tokens]
     if len(encoded) < 2:
-        raise ValueError(f"{len(encoded)} usable examples ({too_long} over --max-tokens {config.max_tokens}): too few to train")
+        raise TrainError(f"{len(encoded)} usable examples ({too_long} over --max-tokens {config.max_tokens}): too few to train")
     rng = random.Random(config.seed)
     order = list(range(len(encoded)))
     rng.shuffle(order)
@@ -247,7 +251,7 @@ def train(config: TrainConfig, examples: Sequence, log: Callable[[str], None] = 
     model.config.use_cache = False
     blocks = model.config.num_hidden_layers
     if config.top_layers is not None and not 1 <= config.top_layers <= blocks:
-        raise ValueError(f"--top-layers {config.top_layers}: the model has {blocks} blocks")
+        raise TrainError(f"--top-layers {config.top_layers}: the model has {blocks} blocks")
     # LoRA on the last blocks only: the blocks below run without autograd (nothing there needs a
     # gradient), so a step costs their forward alone, not forward and backward.
     layers = list(range(blocks - config.top_layers, blocks)) if config.top_layers else None
@@ -263,7 +267,7 @@ def train(config: TrainConfig, examples: Sequence, log: Callable[[str], None] = 
         # (a checkpoint from before a setting existed has that setting's default)
         saved_config = asdict(TrainConfig(**saved["config"]))
         if saved_config != asdict(config) | {k: saved_config[k] for k in ("max_minutes", "checkpoint_minutes")}:
-            raise ValueError(f"{checkpoint} is from a run with other settings; use another --out or delete it")
+            raise TrainError(f"{checkpoint} is from a run with other settings; use another --out or delete it")
         model.load_state_dict(saved["lora"], strict=False)
         optimizer.load_state_dict(saved["optimizer"])
         state = saved["state"]
