@@ -76,10 +76,11 @@ def calibrated(paths: dict[str, Path | None], rows: list[int],
     timed by `measure(rows, reps)` -> {name: {rows: [s]}} until consistent (`timing_problem`, at
     most TRIES times), kept if the first try was. A machine busy for every try: the kept curve if there is one (a
     quiet moment's), else the last timing made monotone, and nothing is kept. A timing used but not
-    kept is held for the process: a later call for the same paths reads it, not the machine."""
-    if all(path in _USED for path in paths.values()):
-        return {name: _USED[path] for name, path in paths.items()}
+    kept is held for the process: a later call for the same paths reads it, not the machine, while
+    none of them has a kept curve (one kept since, by another process, is read instead)."""
     kept = {name: StepCost.load(path, rows) for name, path in paths.items()}
+    if all(cost is None for cost in kept.values()) and all(path in _USED for path in paths.values()):
+        return {name: _USED[path] for name, path in paths.items()}
     if all(cost is not None for cost in kept.values()):
         if not check or all(path in _CHECKED for path in paths.values()):
             return kept

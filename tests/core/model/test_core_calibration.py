@@ -100,6 +100,9 @@ def test_a_curve_timed_on_a_loaded_machine_is_never_kept(tmp_path):
     calls = busy.calls  # another engine of the same model and backend in this process: no timing again
     assert calibrated({"engine": path}, ROWS, busy.measure, 3, check=True)["engine"].secs == cost.secs
     assert busy.calls == calls
+    StepCost(dict(zip(ROWS, quiet_curve().expected))).save(path)  # kept meanwhile by another process: read instead
+    assert calibrated({"engine": path}, ROWS, busy.measure, 3)["engine"].secs == quiet_curve()
+    path.unlink()
     new_process()  # the next start times it again (and keeps it, the machine now quiet)
     assert calibrated({"engine": path}, ROWS, Machine().measure, 3, check=True)["engine"].secs == quiet_curve()
     assert StepCost.load(path, ROWS).secs == quiet_curve()
